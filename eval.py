@@ -1,0 +1,394 @@
+"""eval.py — exact-match evaluation per data source, as in the Search-R1 / LLDS results tables.
+
+The paper reports EM on NQ, TriviaQA, PopQA (general QA) and HotpotQA, 2WikiMultiHopQA, Musique,
+Bamboogle (multi-hop QA), each dataset scored on its own and then averaged (macro average) per
+group and over all seven. Reproduction threads on Search-R1 disagree mostly because the
+retriever, corpus, top-k or decoding differed, so every table printed here repeats its setting.
+
+Three rows of the paper's table, three modes:
+- `search`  the trained agent: `rollout.rollout()` with up to `max_turns` searches (4 at
+            evaluation, one more than in training), top-3 passages, greedy decoding;
+- `rag`     retrieve top-3 once with the question itself, put the passages in the prompt, and
+            answer in one turn (no search tags offered);
+- `direct`  no retrieval at all: the question alone, answered in one turn.
+`rag` and `direct` are rollouts with `max_turns=0` whose prompt is built here (the few-shot
+search prompt would teach the model to emit `<search>` it is not allowed to use).
+
+Used two ways: `python eval.py ...` writes `results.json` + `predictions.jsonl` and prints the
+table; `evaluate(...)` returns the same numbers in memory for train.py's periodic held-out
+evaluation. Simplified: scores are EM and token F1 on the last `<answer>` only (as the reward);
+no LLM judge, no per-question-type breakdown.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import data
+import rollout as ro
+from retriever import open_retriever
+
+MODES = ("search", "rag", "direct")
+
+# The paper's two column groups. Names are matched after dropping a "toy_" prefix, so the toy
+# world's toy_nq counts as general and toy_hotpot_* as multi-hop; unknown sources only enter "all".
+GENERAL = ("nq", "triviaqa", "popqa")
+MULTIHOP = ("hotpot", "2wiki", "musique", "bamboogle")
+
+
+# ----------------------------------------------------------------------------------------------
+# Scores: per example -> per source -> group averages
+# ----------------------------------------------------------------------------------------------
+
+def source_group(source: str) -> str | None:
+    """The paper column group of a data_source: "general", "multihop", or None ("all" only)."""
+    name = source.lower().removeprefix("toy_")
+    if name.startswith(GENERAL):
+        return "general"
+    if name.startswith(MULTIHOP):
+        return "multihop"
+    return None
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(per_example: list[dict]) -> dict:
+    """Per-source and group scores from per-example results ({"data_source", "em", "f1", "n_search"}).
+
+    Returns {"sources": {source: {"n", "em", "f1", "searches"}}, "general": {...}, "multihop": {...},
+    "all": {...}}. Group rows are macro averages over their sources (every dataset counts once,
+    as in the paper's "Avg." column); their "n" is the total number of questions. A group without
+    sources has n=0 and NaN scores.
+    """
+    by_source = collections.defaultdict(list)
+    for ex in per_example:
+        by_source[ex["data_source"]].append(ex)
+    sources = {src: {"n": len(exs), "em": _mean(e["em"] for e in exs), "f1": _mean(e["f1"] for e in exs),
+                     "searches": _mean(e["n_search"] for e in exs)}
+               for src, exs in sorted(by_source.items())}
+    out = {"sources": sources}
+    for group in ("general", "multihop", "all"):
+        rows = [row for src, row in sources.items() if group == "all" or source_group(src) == group]
+        out[group] = {"n": sum(r["n"] for r in rows),
+                      **{k: _mean(r[k] for r in rows) for k in ("em", "f1", "searches")}}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts of the no-search modes, in the style of each rollout template
+# ----------------------------------------------------------------------------------------------
+
+# Few-shot (plain continuation, for small models): the same two questions as rollout's search
+# examples, answered from the question alone (direct) or from passages given up front (rag),
+# each passage block in the observation's format. The question comes last in both: SmolLM2-135M
+# then opens with <answer>; with the passages after the question it starts a new question.
+FEWSHOT_DIRECT = (
+    "Answer the question. Give the final answer as <answer> answer </answer>.\n\n"
+    "Question: In which city was Talia Wrenn born?\n"
+    "<answer> Orvale </answer>\n\n"
+    "Question: In what year was the founder of Brisco Mining born?\n"
+    "<answer> 1890 </answer>\n\n"
+    "Question: {question}\n")
+FEWSHOT_RAG = (
+    "Answer the question using the documents between <information> and </information>. Give the "
+    "final answer as <answer> answer </answer>.\n\n"
+    "<information>Doc 1(Title: \"Talia Wrenn\") Talia Wrenn is a painter who was born in Orvale "
+    "in 1961.</information>\n"
+    "Question: In which city was Talia Wrenn born?\n"
+    "<answer> Orvale </answer>\n\n"
+    "<information>Doc 1(Title: \"Brisco Mining\") Brisco Mining was founded by Ada Pell in 1921.\n"
+    "Doc 2(Title: \"Ada Pell\") Ada Pell was born in Kessan in 1890.</information>\n"
+    "Question: In what year was the founder of Brisco Mining born?\n"
+    "<answer> 1890 </answer>\n\n"
+    "<information>{passages}</information>\n"
+    "Question: {question}\n")
+# The Search-R1 prompt's wording (one chat message), minus the search instructions.
+CHAT_DIRECT = ("Answer the given question. Provide the answer inside <answer> and </answer>, without "
+               "detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}")
+CHAT_RAG = ("Answer the given question using the documents below. Provide the answer inside <answer> "
+            "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>.\n"
+            "<information>{passages}</information>\nQuestion: {question}")
+
+
+def one_turn_prompt(question: str, tokenizer, template: str = "fewshot", passages: str | None = None) -> list[int]:
+    """Prompt ids for answering in one turn: direct (passages=None) or rag (format_passages text).
+    template "fewshot" -> plain-text 2-shot prompt; "search-r1" -> one chat message."""
+    question = question.strip()
+    if not question.endswith("?"):  # as rollout.build_prompt does
+        question += "?"
+    if template == "fewshot":
+        text = (FEWSHOT_DIRECT if passages is None else FEWSHOT_RAG).format(question=question, passages=passages)
+        return tokenizer(text)["input_ids"]
+    text = (CHAT_DIRECT if passages is None else CHAT_RAG).format(question=question, passages=passages)
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text + "\n")["input_ids"]
+
+
+def _cut(text: str, tokenizer, max_tokens: int) -> str:
+    """`text` cut to at most max_tokens tokens (the observation cap of the search mode)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+
+
+def with_prompts(records: list[dict], tokenizer, retriever, mode: str, cfg) -> list[dict]:
+    """Copies of `records` with "prompt_ids" for rag / direct (rag: one batched retrieval call,
+    the question as query; retrieved ids kept under "retrieved")."""
+    if mode == "direct":
+        return [{**r, "prompt_ids": one_turn_prompt(r["question"], tokenizer, cfg.template)} for r in records]
+    hits = retriever.search([r["question"] for r in records], cfg.topk)
+    return [{**r, "retrieved": [h["document"]["id"] for h in hs],
+             "prompt_ids": one_turn_prompt(r["question"], tokenizer, cfg.template,
+                                           _cut(ro.format_passages(hs), tokenizer, cfg.max_obs_tokens))}
+            for r, hs in zip(records, hits)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation loop
+# ----------------------------------------------------------------------------------------------
+
+# Evaluation decoding as in the paper: greedy, 4 search turns, top-3.
+EVAL = ro.RolloutConfig(max_turns=4, topk=3, greedy=True)
+
+
+def mode_config(cfg, mode: str):
+    """The rollout config a mode runs with: rag and direct get no search turns."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    return cfg if mode == "search" else dataclasses.replace(cfg, max_turns=0)
+
+
+def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "search", cfg=None,
+             batch_size: int | None = None, progress: bool = False) -> dict:
+    """Score `model` on `records` in one mode; nothing is written to disk.
+
+    cfg: RolloutConfig (default EVAL: greedy, max_turns 4, top-3); rag/direct force max_turns=0.
+    retriever: anything with .search(queries, topk); unused (may be None) in direct mode.
+    Returns summarize(examples) plus "examples" (one dict per record, input order), "seconds"
+    and "questions_per_min". The model is put in eval mode and restored afterwards.
+    """
+    cfg = mode_config(cfg or EVAL, mode)
+    if mode != "direct" and retriever is None:
+        raise ValueError(f"mode {mode!r} needs a retriever (only 'direct' runs without one)")
+    batch_size = batch_size or cfg.batch_size
+    cfg = dataclasses.replace(cfg, batch_size=batch_size)
+    was_training = model.training
+    model.eval()
+    examples, start = [], time.perf_counter()
+    try:
+        with tqdm(total=len(records), desc=f"eval {mode}", unit="q", disable=not progress) as bar:
+            for first in range(0, len(records), batch_size):
+                chunk = records[first:first + batch_size]
+                if mode != "search":
+                    chunk = with_prompts(chunk, tokenizer, retriever, mode, cfg)
+                episodes = ro.rollout(model, tokenizer, chunk, retriever, cfg).episodes
+                examples += [_example(r, ep, mode) for r, ep in zip(chunk, episodes)]
+                bar.update(len(chunk))
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    return {**summarize(examples), "examples": examples, "seconds": seconds,
+            "questions_per_min": 60 * len(examples) / seconds if seconds else float("nan")}
+
+
+def _example(record: dict, episode: dict, mode: str) -> dict:
+    """One line of predictions.jsonl. n_search counts retriever calls (rag: always 1)."""
+    out = {"id": record["id"], "data_source": record["data_source"], "question": record["question"],
+           "golds": episode["golds"], "prediction": episode["answer"], "em": episode["em"],
+           "f1": episode["f1"], "n_search": 1 if mode == "rag" else episode["n_search"],
+           "finished": episode["finished"], "text": episode["text"]}
+    if "retrieved" in record:
+        out["retrieved"] = record["retrieved"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Report: setting header, table, files
+# ----------------------------------------------------------------------------------------------
+
+def describe_decoding(cfg) -> str:
+    return "greedy" if cfg.greedy else f"sampling T={cfg.temperature} top_p={cfg.top_p}"
+
+
+def format_table(summary: dict) -> str:
+    """Plain-text table: one row per source, then the paper's group averages."""
+    lines = [f"{'source':<28}{'N':>6}{'EM':>8}{'F1':>8}{'searches':>10}"]
+
+    def row(name, r):
+        return f"{name:<28}{r['n']:>6}{r['em']:>8.3f}{r['f1']:>8.3f}{r['searches']:>10.2f}"
+    lines += [row(src, r) for src, r in summary["sources"].items()]
+    lines.append("-" * len(lines[0]))
+    lines += [row(f"avg {group} (macro)", summary[group]) for group in ("general", "multihop", "all")
+              if summary[group]["n"]]
+    return "\n".join(lines)
+
+
+def format_header(setting: dict) -> str:
+    width = max(len(k) for k in setting)
+    return "\n".join(f"{k:>{width}}: {v}" for k, v in setting.items())
+
+
+def _no_nan(x):
+    """NaN (an empty group) -> None, so results.json stays strict JSON."""
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    return None if isinstance(x, float) and x != x else x
+
+
+def write_outputs(out_dir: Path, runs: dict[str, tuple[dict, dict]]) -> None:
+    """runs: {mode: (setting, evaluate() result)} -> results.json ({mode: {"setting", scores}}),
+    predictions.jsonl (one line per question and mode) and results.txt (the printed tables)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scores = {mode: {"setting": setting, **{k: v for k, v in result.items() if k != "examples"}}
+              for mode, (setting, result) in runs.items()}
+    (out_dir / "results.json").write_text(json.dumps(_no_nan(scores), indent=2) + "\n")
+    with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
+        for mode, (_, result) in runs.items():
+            for ex in result["examples"]:
+                f.write(json.dumps({"mode": mode, **ex}, ensure_ascii=False) + "\n")
+    (out_dir / "results.txt").write_text("\n\n".join(
+        f"{format_header(setting)}\n\n{format_table(result)}" for setting, result in runs.values()) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+def _step(ckpt: Path) -> int:
+    tail = ckpt.name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def resolve_model(path: str | None) -> str | None:
+    """A train.py checkpoint may be given at any level: the HF folder (config.json), a
+    ckpt-<step> folder holding model/, or a run folder holding ckpt-* (the latest step wins).
+    Anything that is not a folder (None = embedded default, a hub name) passes through."""
+    if path is None or not Path(path).is_dir():
+        return path
+    p = Path(path)
+    if not (p / "config.json").exists():
+        ckpts = sorted(p.glob("ckpt-*"), key=_step)
+        if ckpts:
+            p = ckpts[-1]
+        if (p / "model" / "config.json").exists():
+            p = p / "model"
+    if not (p / "config.json").exists():
+        raise ValueError(f"{path}: no model here (expected an HF model folder with config.json, "
+                         "a ckpt-<step> folder with model/, or a run folder with ckpt-* inside)")
+    return str(p)
+
+
+def per_source_limit(records: list[dict], limit: int | None) -> list[dict]:
+    """The first `limit` records of every data_source (a single file may mix sources)."""
+    if limit is None:
+        return records
+    seen = collections.Counter()
+    kept = []
+    for r in records:
+        if seen[r["data_source"]] < limit:
+            seen[r["data_source"]] += 1
+            kept.append(r)
+    return kept
+
+
+def load_records(sources: list[str], split: str, limit: int | None) -> list[dict]:
+    """Records of every --data source (toy, .jsonl, .parquet, dataset folders), `limit` per data_source."""
+    return per_source_limit([r for s in sources for r in data.load_questions(s, split=split)], limit)
+
+
+def setting_of(args, mode: str, cfg, n: int) -> dict:
+    """Everything that changes a score, printed above every table and stored in results.json."""
+    retrieval = {"search": f"{args.retriever} over {args.corpus or 'server corpus'}",
+                 "rag": f"{args.retriever} over {args.corpus or 'server corpus'} (query = question)",
+                 "direct": "none"}[mode]
+    return {"model": resolve_model(args.model) or "SmolLM2-135M-Instruct (embedded default)",
+            "mode": mode, "data": f"{', '.join(args.data)} [{args.split}]"
+            + (f", first {args.limit} per source" if args.limit else ""), "questions": n,
+            "retriever": retrieval, "topk": cfg.topk if mode != "direct" else "-",
+            "max_turns": cfg.max_turns, "max_turn_tokens": cfg.max_turn_tokens,
+            "decoding": describe_decoding(cfg),
+            "prompt": cfg.template if mode == "search" else f"{cfg.template}-{mode} (eval.py)",
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Exact-match evaluation per data source (Search-R1 / LLDS tables). "
+                                "No arguments: the embedded SmolLM2 on the toy world's test split, search mode.")
+    p.add_argument("--model", help="HF model folder or name in the local cache, or a train.py checkpoint "
+                   "(run dir, ckpt-<step> dir or its model/); default: embedded SmolLM2-135M-Instruct")
+    p.add_argument("--data", nargs="+", default=["toy"], help="'toy', FlashRAG .jsonl files, Search-R1 "
+                   ".parquet files, or folders laid out <root>/<dataset>/<split>.jsonl")
+    p.add_argument("--split", default="test", help="split for 'toy' and dataset folders (test falls back to dev)")
+    p.add_argument("--limit", type=_positive, help="first N questions of every data source")
+    p.add_argument("--mode", nargs="+", default=["search"], choices=MODES,
+                   help="search: the agent; rag: retrieve with the question, answer once; direct: no retrieval")
+    p.add_argument("--retriever", default="bm25", help="bm25 | dense | http://host:port/retrieve")
+    p.add_argument("--corpus", help="JSONL corpus for bm25/dense (default with --data toy: the toy corpus)")
+    p.add_argument("--index", help="index folder (loaded, or built and saved there)")
+    p.add_argument("--topk", type=int, default=EVAL.topk, help="passages per search")
+    p.add_argument("--max-turns", type=int, default=EVAL.max_turns, help="search turns (paper: 4 at evaluation)")
+    p.add_argument("--max-turn-tokens", type=int, default=EVAL.max_turn_tokens,
+                   help="tokens per turn (paper: 500)")
+    p.add_argument("--template", default=EVAL.template, choices=sorted(ro.TEMPLATES), help="prompt template")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
+    p.add_argument("--seed", type=int, default=0, help="torch seed (matters with --sample)")
+    p.add_argument("--batch-size", type=_positive, default=EVAL.batch_size, help="questions generated together")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="output folder (default runs/eval/<date>)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    cfg = dataclasses.replace(EVAL, topk=args.topk, max_turns=args.max_turns, template=args.template,
+                              max_turn_tokens=args.max_turn_tokens, greedy=not args.sample,
+                              temperature=args.temperature, top_p=args.top_p)
+    try:
+        records = load_records(args.data, args.split, args.limit)
+        if not records:
+            raise ValueError(f"no questions found in {args.data}")
+        retriever = None
+        if set(args.mode) - {"direct"}:
+            if args.corpus is None and "toy" in args.data and not args.retriever.startswith("http"):
+                args.corpus = str(data.toy_world() / "corpus.jsonl")
+            retriever = open_retriever(args.retriever, corpus=args.corpus, index=args.index)
+        model, tokenizer = ro.load_policy(resolve_model(args.model),
+                                          dtype=torch.bfloat16 if args.device == "cuda" else None)
+        model.to(args.device)
+        runs = {}
+        for mode in args.mode:
+            result = evaluate(model, tokenizer, records, retriever, mode, cfg, args.batch_size, progress=True)
+            setting = setting_of(args, mode, mode_config(cfg, mode), len(records))
+            print(f"\n{format_header(setting)}\n\n{format_table(result)}")
+            print(f"{result['questions_per_min']:.1f} questions/min ({result['seconds']:.0f} s)")
+            runs[mode] = (setting, result)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    out_dir = Path(args.out or f"runs/eval/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    write_outputs(out_dir, runs)
+    print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'predictions.jsonl'}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Tests for eval.py: hand-worked scores per source and per group, a scripted policy run through
+the real rollout loop, the question loaders eval.py relies on, and the three modes end to end
+with a tiny random model on toy-world questions."""
+import json
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import data
+import eval as ev
+from retriever import open_retriever
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers: a byte-level tokenizer built offline, a scripted policy, a fixed retriever
+# ----------------------------------------------------------------------------------------------
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens + <eos>: any text encodes, no training, no download."""
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>",
+                                   padding_side="left")
+
+
+class _Cache:
+    """Stands in for the KV cache: remembers each row's real tokens."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def batch_repeat_interleave(self, n):
+        self.rows = [list(r) for r in self.rows for _ in range(n)]
+
+    def batch_select_indices(self, index):
+        self.rows = [self.rows[i] for i in index.tolist()]
+
+
+class ScriptedPolicy(torch.nn.Module):
+    """Writes fixed turns per question: script[question] = ["<search> q </search>", "<answer> a </answer>"].
+    Turn i is written after the i-th observation (the generated text is cut at </information>)."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__()
+        self.tokenizer, self.script = tokenizer, script
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def _next_char(self, text: str) -> str | None:
+        question, newline, generated = text.rsplit("Question: ", 1)[-1].partition("\n")
+        if not newline:  # a prompt prefix shared by all rows: its logits are not used
+            return None
+        turns = self.script[question]
+        done = generated.count("</search>")
+        partial = generated.rsplit("</information>\n\n", 1)[-1] if done else generated
+        return turns[done][len(partial)] if len(partial) < len(turns[done]) else None
+
+    def forward(self, input_ids, attention_mask, past_key_values=None, **_):
+        cache = past_key_values or _Cache([[] for _ in range(input_ids.shape[0])])
+        real = attention_mask[:, -input_ids.shape[1]:].bool()
+        for row, (ids, keep) in enumerate(zip(input_ids, real)):
+            cache.rows[row] += ids[keep].tolist()
+        vocab = len(self.tokenizer)
+        logits = torch.zeros(input_ids.shape[0], 1, vocab)
+        for row, ids in enumerate(cache.rows):
+            char = self._next_char(self.tokenizer.decode(ids))
+            target = (self.tokenizer.eos_token_id if char is None
+                      else self.tokenizer(char, add_special_tokens=False)["input_ids"][0])
+            logits[row, 0, target] = 10.0
+        return type("Out", (), {"logits": logits, "past_key_values": cache})()
+
+
+class FixedRetriever:
+    def search(self, queries, topk):
+        return [[{"document": {"id": "d1", "contents": "\"Doc\"\nSome text."}, "score": 1.0}] for _ in queries]
+
+
+# ----------------------------------------------------------------------------------------------
+# summarize(): hand-worked per-source scores and macro averages
+# ----------------------------------------------------------------------------------------------
+
+def test_source_groups():
+    assert [ev.source_group(s) for s in ("nq", "triviaqa", "popqa", "toy_nq")] == ["general"] * 4
+    assert [ev.source_group(s) for s in ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle",
+                                         "toy_hotpot_bridge", "toy_hotpot_comparison")] == ["multihop"] * 6
+    assert ev.source_group("mysource") is None
+
+
+def test_summarize_hand_worked():
+    def ex(source, em, f1, n):
+        return {"data_source": source, "em": em, "f1": f1, "n_search": n}
+    per_example = [ex("toy_nq", 1, 1.0, 1), ex("toy_nq", 0, 0.5, 2), ex("toy_nq", 1, 1.0, 1), ex("toy_nq", 1, 1.0, 0),
+                   ex("toy_hotpot_bridge", 0, 0.5, 2), ex("toy_hotpot_bridge", 1, 1.0, 2),
+                   ex("toy_hotpot_comparison", 1, 1.0, 3), ex("other", 0, 0.0, 0)]
+    s = ev.summarize(per_example)
+    assert s["sources"]["toy_nq"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0}
+    assert s["sources"]["toy_hotpot_bridge"] == {"n": 2, "em": 0.5, "f1": 0.75, "searches": 2.0}
+    assert s["general"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0}
+    # Macro average: every source counts once, whatever its size (the paper's "Avg.").
+    assert s["multihop"] == {"n": 3, "em": 0.75, "f1": 0.875, "searches": 2.5}
+    assert s["all"] == pytest.approx({"n": 8, "em": 2.25 / 4, "f1": 2.625 / 4, "searches": 6 / 4})
+    table = ev.format_table(s)
+    assert "avg multihop (macro)" in table and "toy_hotpot_comparison" in table
+
+
+def test_summarize_empty_group_is_nan(tmp_path):
+    s = ev.summarize([{"data_source": "nq", "em": 1.0, "f1": 1.0, "n_search": 0}])
+    assert s["multihop"]["n"] == 0 and math.isnan(s["multihop"]["em"])
+    assert "multihop" not in ev.format_table(s)
+    ev.write_outputs(tmp_path, {"direct": ({"mode": "direct"}, {**s, "examples": []})})
+    assert json.loads((tmp_path / "results.json").read_text())["direct"]["multihop"]["em"] is None
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluate(): a scripted policy through the real rollout loop gives exactly the scripted scores
+# ----------------------------------------------------------------------------------------------
+
+def test_evaluate_scripted_policy():
+    tok = byte_tokenizer()
+    records = [  # question, golds, source, the policy's turns -> (EM, F1, searches)
+        ("Who wrote Hamlet?", ["William Shakespeare", "Shakespeare"], "nq",
+         ["<search> Hamlet author </search>", "<answer> Shakespeare </answer>"]),       # 1, 1, 1
+        ("What is the capital of France?", ["Paris"], "nq", ["<answer> Lyon </answer>"]),  # 0, 0, 0
+        ("Who was president in 2010?", ["Barack Obama"], "hotpotqa",
+         ["<search> a </search>", "<search> b </search>", "<answer> Obama </answer>"]),    # 0, 2/3, 2
+        ("When did it start?", ["1990"], "bamboogle", ["<answer> The 1990. </answer>"]),   # 1, 1, 0
+        ("Anything?", ["x"], "mysource", ["<answer> y </answer>"]),                        # 0, 0, 0
+    ]
+    policy = ScriptedPolicy(tok, {q: turns for q, _, _, turns in records})
+    recs = [{"id": str(i), "question": q, "golds": g, "data_source": s} for i, (q, g, s, _) in enumerate(records)]
+    cfg = ev.dataclasses.replace(ev.EVAL, max_turn_tokens=40)
+    out = ev.evaluate(policy, tok, recs, FixedRetriever(), "search", cfg, batch_size=2)
+
+    assert [e["prediction"] for e in out["examples"]] == ["Shakespeare", "Lyon", "Obama", "The 1990.", "y"]
+    assert [e["n_search"] for e in out["examples"]] == [1, 0, 2, 0, 0]
+    src = out["sources"]
+    assert (src["nq"]["em"], src["nq"]["f1"], src["nq"]["searches"]) == (0.5, 0.5, 0.5)
+    assert (src["hotpotqa"]["em"], src["hotpotqa"]["f1"]) == (0.0, pytest.approx(2 / 3))
+    assert (src["bamboogle"]["em"], src["bamboogle"]["f1"]) == (1.0, 1.0)
+    assert out["general"]["em"] == 0.5
+    assert out["multihop"] == pytest.approx({"n": 2, "em": 0.5, "f1": 5 / 6, "searches": 1.0})
+    assert out["all"] == pytest.approx({"n": 5, "em": 0.375, "f1": (0.5 + 2 / 3 + 1) / 4, "searches": 0.625})
+
+
+# ----------------------------------------------------------------------------------------------
+# Loaders: FlashRAG JSONL folders and Search-R1 parquet, limit per data source
+# ----------------------------------------------------------------------------------------------
+
+def test_load_flashrag_folder_limit_per_source(tmp_path):
+    for name, n in (("nq", 3), ("bamboogle", 2)):
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"id": f"{name}_{i}", "question": f"q{i}?", "golden_answers": [f"a{i}"],
+                             "metadata": {}}) for i in range(n)]
+        (tmp_path / name / ("test.jsonl" if name == "nq" else "dev.jsonl")).write_text("\n".join(lines))
+    records = ev.load_records([str(tmp_path)], "test", limit=2)
+    assert [(r["data_source"], r["id"], r["golds"]) for r in records] == [
+        ("bamboogle", "bamboogle_0", ["a0"]), ("bamboogle", "bamboogle_1", ["a1"]),
+        ("nq", "nq_0", ["a0"]), ("nq", "nq_1", ["a1"])]
+
+
+def test_load_searchr1_parquet_limit_per_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"data_source": src, "prompt": [{"role": "user", "content": f"Answer... Question: {src} q{i}?"}],
+             "reward_model": {"ground_truth": {"target": [f"{src}-a{i}"]}}, "extra_info": {"index": i}}
+            for src in ("nq", "hotpotqa") for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
+    records = ev.load_records([str(tmp_path / "test.parquet")], "test", limit=1)
+    assert [(r["id"], r["question"], r["golds"]) for r in records] == [
+        ("nq:0", "nq q0?", ["nq-a0"]), ("hotpotqa:0", "hotpotqa q0?", ["hotpotqa-a0"])]
+
+
+def test_resolve_model_checkpoint_layouts(tmp_path):
+    for step in (5, 20, 100):
+        (tmp_path / f"ckpt-{step}" / "model").mkdir(parents=True)
+        (tmp_path / f"ckpt-{step}" / "model" / "config.json").write_text("{}")
+    assert ev.resolve_model(str(tmp_path)) == str(tmp_path / "ckpt-100" / "model")
+    assert ev.resolve_model(str(tmp_path / "ckpt-5")) == str(tmp_path / "ckpt-5" / "model")
+    assert ev.resolve_model("SomeOrg/some-model") == "SomeOrg/some-model"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model here"):
+        ev.resolve_model(str(tmp_path / "empty"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The three modes with a tiny random model on toy-world questions and in-process BM25
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return LlamaForCausalLM(config).eval(), tok
+
+
+@pytest.fixture(scope="module")
+def toy_bm25():
+    return open_retriever("bm25", corpus=str(data.toy_world() / "corpus.jsonl"))
+
+
+@pytest.mark.parametrize("mode", ev.MODES)
+def test_modes_run_on_toy_world(tiny_model, toy_bm25, mode, tmp_path):
+    model, tok = tiny_model
+    records = ev.load_records(["toy"], "test", limit=1)
+    retriever = None if mode == "direct" else toy_bm25
+    cfg = ev.dataclasses.replace(ev.EVAL, max_turns=1, max_turn_tokens=4, max_obs_tokens=200)
+    out = ev.evaluate(model, tok, records, retriever, mode, cfg, batch_size=2)
+    assert len(out["examples"]) == 3 and out["all"]["n"] == 3
+    assert set(out["sources"]) == {"toy_nq", "toy_hotpot_bridge", "toy_hotpot_comparison"}
+    assert [e["id"] for e in out["examples"]] == [r["id"] for r in records]
+    if mode == "direct":
+        assert [e["n_search"] for e in out["examples"]] == [0] * 3
+    if mode == "rag":  # one retrieval with the question, its top-3 in the prompt
+        assert [e["n_search"] for e in out["examples"]] == [1] * 3
+        assert all(len(e["retrieved"]) == 3 for e in out["examples"])
+    setting = {"model": "tiny", "mode": mode}
+    ev.write_outputs(tmp_path, {mode: (setting, out)})
+    saved = json.loads((tmp_path / "results.json").read_text())[mode]
+    assert saved["setting"] == setting and saved["all"]["n"] == 3
+    assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 3

@@ -212,6 +212,7 @@ INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I shoul
                   "put the answer between <answer> and </answer>. Let me try again.\n")
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 _STOP_STRINGS = ("</search>", "</answer>")
+MAX_QUERY_CHARS = 2000  # retriever.py's server limit per query
 
 
 def format_passages(hits: list[dict]) -> str:
@@ -542,7 +543,12 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
         for e, ids, logps in zip(active, new_ids, new_logps):
             episodes[e].append(ids, 1, logps)
             match = _ACTION_RE.search(tokenizer.decode(ids))
-            actions.append((match.group(1), match.group(2).strip()) if match else (None, None))
+            # An empty query is an invalid action (retrievers reject it); a very long one is cut
+            # to what Search-R1-compatible servers accept.
+            if match and (match.group(1) == "answer" or match.group(2).strip()):
+                actions.append((match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]))
+            else:
+                actions.append((None, None))
         searching = [i for i, (kind, _) in enumerate(actions) if kind == "search" and can_search]
         obs = {}
         if searching:

@@ -170,6 +170,16 @@ def test_invalid_action_gets_fixed_message_and_eos_is_kept():
     assert (ep["answer"], ep["reward"], ep["n_valid"], ep["finished"]) == ("Paris", 0.0, 1, True)
 
 
+def test_empty_search_query_is_an_invalid_action():
+    # Retrievers reject empty queries, so "<search> </search>" must never reach them.
+    pieces = [("<search> </search>", False), (ro.INVALID_ACTION, True), ("<answer> Paris </answer>", False)]
+    out, [(ids, kinds, plen)], retriever = run([pieces])
+    assert_layout(out, 0, ids, kinds, plen, answer_text="<answer> Paris </answer>")
+    assert retriever.calls == []
+    ep = out.episodes[0]
+    assert (ep["n_search"], ep["n_valid"], ep["finished"]) == (0, 1, True)
+
+
 def test_running_out_of_turns_ends_unfinished():
     # max_turns=1: one search, then a final turn whose <search> is not executed
     pieces = [("<search> a </search>", False), (obs("a"), True), ("<search> b </search>", False)]

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
@@ -58,8 +59,11 @@ def main() -> None:
     parser.add_argument("--max-turn-tokens", type=int, default=64, help="per-turn token cap (default 64)")
     parser.add_argument("--max-turns", type=int, default=3, help="search turns (default 3)")
     parser.add_argument("--rss-episodes", type=int, default=32, help="episodes for the peak-RSS run (0 = skip)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.rss_child:
         return rss_child(args)
 
@@ -67,12 +71,14 @@ def main() -> None:
     cfg = ro.RolloutConfig(max_turn_tokens=args.max_turn_tokens, max_turns=args.max_turns,
                            batch_size=args.episodes)
     print(f"SmolLM2-135M, {len(records)} toy questions, T={cfg.temperature}, max_turns={cfg.max_turns}, "
-          f"max_turn_tokens={cfg.max_turn_tokens}, bf16 autocast={cfg.bf16}, threads={torch.get_num_threads()}")
+          f"max_turn_tokens={cfg.max_turn_tokens}, bf16 autocast={cfg.bf16}, threads={torch.get_num_threads()}",
+          flush=True)
     timed(model, tokenizer, records[:2], bm25, ro.RolloutConfig(max_turn_tokens=8, max_turns=1))  # warm-up
 
     batched, t_batched = timed(model, tokenizer, records, bm25, cfg)
+    print(f"batched: {batched.n_generated} tokens in {t_batched:.1f} s", flush=True)
     one_tokens, t_one = 0, 0.0
-    for i, record in enumerate(records):
+    for i, record in enumerate(tqdm(records, desc="one at a time")):
         out, seconds = timed(model, tokenizer, [record], bm25, cfg, seed=i)
         one_tokens, t_one = one_tokens + out.n_generated, t_one + seconds
     rate_batched, rate_one = batched.n_generated / t_batched, one_tokens / t_one
@@ -90,6 +96,7 @@ def main() -> None:
 
     if args.rss_episodes:
         child = subprocess.run([sys.executable, __file__, "--rss-child", "--rss-episodes", str(args.rss_episodes),
+                                "--threads", str(args.threads),
                                 "--max-turn-tokens", str(args.max_turn_tokens), "--max-turns", str(args.max_turns)],
                                capture_output=True, text=True)
         if child.returncode:

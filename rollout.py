@@ -28,6 +28,10 @@ Choices and simplifications (each also noted where it is made):
   rows that stopped early); positions come from the attention mask, so every real token sees
   exactly the context it would see unpadded. The prompt prefix shared by all episodes (the
   few-shot examples) is computed once and copied to every row.
+* Two CPU speed fixes to HF internals, both exact: the KV cache grows in place instead of being
+  copied by torch.cat at every step, and SDPA shares K/V heads itself instead of HF repeating
+  them (see `_GrowingLayer`, `_share_kv_heads_on_cpu`). bf16 autocast is on by default: 1.45x
+  faster for a batch of 16 on this CPU (slightly slower for a batch of one).
 * Search is only run in the first `max_turns` turns; the one extra final turn may only answer.
   A `<search>` there (or no action) ends the episode unfinished, with nothing appended.
 * Forced text (observations, the invalid-action message) is tokenised as it would be inside
@@ -53,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # ----------------------------------------------------------------------------------------------
 # Reward: SQuAD-style normalisation, exact match and token F1 on the last <answer>
@@ -343,6 +349,66 @@ def _autocast(model, enabled: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
+def _share_kv_heads_on_cpu() -> None:
+    """Let torch's SDPA share K/V heads (grouped-query attention) on CPU instead of HF copying them.
+
+    HF's sdpa path repeats every K/V head (3x for SmolLM2) whenever an attention mask is given,
+    which is always here (the cache has holes). On CPU, SDPA with enable_gqa=True gives the same
+    numbers and is ~4x faster per layer at 16 rows x 900 tokens. A process-wide switch for CPU
+    tensors only (train.py's CPU forward passes benefit too); GPUs keep HF's choice.
+    """
+    from transformers.integrations import sdpa_attention
+    original = sdpa_attention.use_gqa_in_sdpa
+    if getattr(original, "shares_on_cpu", False):
+        return
+
+    def use_gqa(attention_mask, key, value):
+        return (key.device.type == "cpu" and key.shape[-1] == value.shape[-1]) or original(attention_mask, key, value)
+
+    use_gqa.shares_on_cpu = True
+    sdpa_attention.use_gqa_in_sdpa = use_gqa
+
+
+class _GrowingLayer(DynamicLayer):
+    """A KV-cache layer that writes new positions into spare room instead of `torch.cat`.
+
+    DynamicLayer concatenates, i.e. copies the whole cache at every decode step (on CPU at 16
+    rows x 900 tokens: 15 ms per layer and tensor, more than the layer's matmuls). Here the
+    buffer keeps `_SPARE` free positions and is only re-allocated when they run out; keys/values
+    are views of it. Row selection (batch_select_indices) makes compact copies, noticed below.
+    """
+
+    _SPARE = 256
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, new = self.get_seq_length(), key_states.shape[-2]
+        buffers = getattr(self, "buffers", None)
+        if (buffers is None or buffers[0].data_ptr() != self.keys.data_ptr()
+                or buffers[0].shape[0] != key_states.shape[0] or n + new > buffers[0].shape[-2]):
+            buffers = []
+            for old, states in ((self.keys, key_states), (self.values, value_states)):
+                buffer = states.new_empty(*states.shape[:2], n + new + self._SPARE, states.shape[-1])
+                buffer[:, :, :n] = old[:, :, :n] if n else 0
+                buffers.append(buffer)
+            self.buffers = buffers
+        for buffer, states in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, n:n + new] = states
+        self.keys, self.values = (buffer[:, :, :n + new] for buffer in self.buffers)
+        return self.keys, self.values
+
+
+def _new_cache(model):
+    """A DynamicCache for `model` whose plain layers grow in place; None lets the model choose."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    cache = DynamicCache(config=config)
+    cache.layers = [_GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 class _Batch:
     """The KV cache and 2-D attention mask of the episodes generating together.
 
@@ -354,7 +420,7 @@ class _Batch:
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
-        self.cache = None
+        self.cache = _new_cache(model)
         self.mask = torch.zeros(1, 0, dtype=torch.long, device=self.device)  # (B, S), grows per chunk
 
     def feed(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -602,6 +668,7 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         raise ValueError(f"unknown prompt template {cfg.template!r}: use one of {', '.join(TEMPLATES)}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below max_context ({cfg.max_context})")
+    _share_kv_heads_on_cpu()
     timing = {"generate": 0.0, "retrieval": 0.0}
     episodes = []
     for first in range(0, len(records), cfg.batch_size):

@@ -46,7 +46,7 @@ def rss_child(args) -> None:
     """Runs in a fresh process: load, roll out --rss-episodes as one batch, print peak RSS."""
     model, tokenizer, records, bm25 = setup(args.rss_episodes)
     cfg = ro.RolloutConfig(max_turn_tokens=args.max_turn_tokens, max_turns=args.max_turns,
-                           batch_size=args.rss_episodes)
+                           batch_size=args.rss_episodes, bf16=not args.fp32)
     out, seconds = timed(model, tokenizer, records, bm25, cfg)
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     print(json.dumps({"peak_rss_gb": peak_gb, "episodes": len(records), "tokens": out.n_generated,
@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--max-turn-tokens", type=int, default=64, help="per-turn token cap (default 64)")
     parser.add_argument("--max-turns", type=int, default=3, help="search turns (default 3)")
     parser.add_argument("--rss-episodes", type=int, default=32, help="episodes for the peak-RSS run (0 = skip)")
+    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (RolloutConfig.bf16=False)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -69,7 +70,7 @@ def main() -> None:
 
     model, tokenizer, records, bm25 = setup(args.episodes)
     cfg = ro.RolloutConfig(max_turn_tokens=args.max_turn_tokens, max_turns=args.max_turns,
-                           batch_size=args.episodes)
+                           batch_size=args.episodes, bf16=not args.fp32)
     print(f"SmolLM2-135M, {len(records)} toy questions, T={cfg.temperature}, max_turns={cfg.max_turns}, "
           f"max_turn_tokens={cfg.max_turn_tokens}, bf16 autocast={cfg.bf16}, threads={torch.get_num_threads()}",
           flush=True)
@@ -96,7 +97,7 @@ def main() -> None:
 
     if args.rss_episodes:
         child = subprocess.run([sys.executable, __file__, "--rss-child", "--rss-episodes", str(args.rss_episodes),
-                                "--threads", str(args.threads),
+                                "--threads", str(args.threads), *(["--fp32"] if args.fp32 else []),
                                 "--max-turn-tokens", str(args.max_turn_tokens), "--max-turns", str(args.max_turns)],
                                capture_output=True, text=True)
         if child.returncode:

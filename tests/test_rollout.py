@@ -69,7 +69,7 @@ class ScriptedPolicy(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True,
                 logits_to_keep=0):
         self.n_forward += 1
-        cache = past_key_values or ScriptCache(input_ids.shape[0])
+        cache = past_key_values if isinstance(past_key_values, ScriptCache) else ScriptCache(input_ids.shape[0])
         chunk_mask = attention_mask[:, -input_ids.shape[1]:]
         logits = torch.full((input_ids.shape[0], 1, len(TOK)), -10.0)
         for b, context in enumerate(cache.rows):

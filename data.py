@@ -712,14 +712,23 @@ def _split_file(folder: Path, split: str) -> Path | None:
     return None
 
 
+TOY_SOURCES = ("toy_nq", "toy_hotpot_bridge", "toy_hotpot_comparison")
+
+
+def is_toy(source: str) -> bool:
+    """"toy" (the whole toy world) or one of its question kinds, e.g. "toy_nq" (single-hop only)."""
+    return source == "toy" or source in TOY_SOURCES
+
+
 def load_questions(source: str, limit: int | None = None, split: str = "train") -> list[Record]:
-    """Records from "toy" (its `split`), a FlashRAG/own .jsonl, a Search-R1 .parquet, a dataset
+    """Records from "toy" or one toy kind such as "toy_nq" (its `split`), a FlashRAG/own .jsonl, a Search-R1 .parquet, a dataset
     folder holding <split>.jsonl (test falls back to dev), or a root of such folders (all
     datasets, `limit` each). data_source defaults to the dataset folder or file name."""
-    if source == "toy":
+    if is_toy(source):
         if split not in ("train", "test"):
             raise ValueError(f"the toy world has splits 'train' and 'test', not {split!r}")
-        return _load_jsonl(toy_world() / f"{split}.jsonl", limit, "toy")
+        records = _load_jsonl(toy_world() / f"{split}.jsonl", None, "toy")
+        return [r for r in records if source in ("toy", r["data_source"])][:limit]
     path = Path(source).expanduser()
     if path.is_file():
         return _load_file(path, limit, path.stem)
@@ -731,7 +740,7 @@ def load_questions(source: str, limit: int | None = None, split: str = "train") 
         if datasets:
             return [r for d in datasets for r in _load_file(_split_file(d, split), limit, d.name)]
         raise ValueError(f"{path}: no {split}.jsonl here nor in <dataset>/{split}.jsonl subfolders")
-    raise ValueError(f"{source}: no such file or folder (expected 'toy', a .jsonl or .parquet file, "
+    raise ValueError(f"{source}: no such file or folder (expected 'toy' or {', '.join(TOY_SOURCES)}, a .jsonl or .parquet file, "
                      "or a folder laid out <root>/<dataset>/<split>.jsonl)")
 
 

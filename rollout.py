@@ -40,7 +40,8 @@ Choices and simplifications (each also noted where it is made):
 * The answer is read from the model's own tokens (the turn that issued `<answer>`), never from
   observations: the invalid-action message itself contains "<answer> and </answer>".
 * `SmolLM2-135M-Instruct` emits no tags from the zero-shot Search-R1 prompt, so the default is a
-  short 2-shot plain-text prompt ("fewshot"); the exact Search-R1 prompt is `template="search-r1"`.
+  short 3-shot plain-text prompt ("fewshot") whose examples restate the evidence in one sentence
+  before acting (see FEWSHOT_EXAMPLES); the exact Search-R1 prompt is `template="search-r1"`.
 """
 from __future__ import annotations
 
@@ -201,14 +202,29 @@ SEARCH_R1_TEMPLATE = (
 FEWSHOT_INSTRUCTION = ("Answer the question. Search with <search> query </search>; results come back "
                        "between <information> and </information>. Give the final answer as "
                        "<answer> answer </answer>.\n\n")
-FEWSHOT_EXAMPLES = [  # (question, [(action, argument, passages shown for a search)])
-    ("Which company does Talia Wrenn work for?", [
+# (question, steps): a step is (action, argument, passages shown for a search), or ("note", text,
+# None), a sentence written before the next action. The notes restate the evidence ("X was born in
+# Y.") before answering: SmolLM2-135M copies a sentence it has just seen far more reliably than it
+# picks a span out of three passages, and without them it answered most questions with a year
+# (toy single-hop questions, greedy: EM 0.03 without notes, 0.12 with; 32 questions).
+FEWSHOT_EXAMPLES = [
+    ("Where was Talia Wrenn born?", [
         ("search", "Talia Wrenn", ['"Talia Wrenn"\nTalia Wrenn is a painter who was born in Orvale in 1961. '
-                                   'She works for Kelmar Foods.']),
-        ("answer", "Kelmar Foods", None)]),
+                                   'She works for Kelmar Foods.',
+                                   '"Talia Wrenne"\nTalia Wrenne (born 1948) is a pilot from Dostrava.']),
+        ("note", "Talia Wrenn was born in Orvale.", None),
+        ("answer", "Orvale", None)]),
+    ("Which company does Doran Vesk work for?", [
+        ("search", "Doran Vesk", ['"Doran Vesk"\nDoran Vesk (born 1974) is a chemist from Pellin. '
+                                  'Doran Vesk has worked at Trimble Motors since 2003.',
+                                  '"Trimble Motors"\nTrimble Motors was founded by Ada Pell in 1921.']),
+        ("note", "Doran Vesk has worked at Trimble Motors.", None),
+        ("answer", "Trimble Motors", None)]),
     ("In what year was the founder of Brisco Mining born?", [
         ("search", "founder of Brisco Mining", ['"Brisco Mining"\nBrisco Mining was founded by Ada Pell in 1921.']),
-        ("search", "Ada Pell born", ['"Ada Pell"\nAda Pell was born in Kessan in 1890.']),
+        ("note", "Brisco Mining was founded by Ada Pell.", None),
+        ("search", "Ada Pell", ['"Ada Pell"\nAda Pell was born in Kessan in 1890.']),
+        ("note", "Ada Pell was born in 1890.", None),
         ("answer", "1890", None)]),
 ]
 TEMPLATES = ("fewshot", "search-r1")
@@ -257,6 +273,7 @@ def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[in
     "search-r1": the paper's prompt as one user message of the chat template (plain text when
     the tokenizer has none). "fewshot": FEWSHOT_EXAMPLES as a plain-text continuation; on
     SmolLM2-135M-Instruct it follows the tags more often plain than inside the chat template.
+    Three examples, with a short note restating the evidence before each next action.
     """
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}: use one of {', '.join(TEMPLATES)}")
@@ -278,6 +295,9 @@ def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[in
     for example, steps in FEWSHOT_EXAMPLES:
         ids += encode(f"Question: {example}\n")
         for action, argument, passages in steps:
+            if action == "note":
+                ids += encode(argument + "\n")
+                continue
             ids += encode(f"<{action}> {argument} </{action}>")
             if passages:
                 hits = [{"document": {"id": "", "contents": c}} for c in passages]

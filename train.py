@@ -171,7 +171,7 @@ class Config:
     seed: int = 0                      # seeds python, numpy, torch and the prompt order
     resume: bool = False               # continue <out_dir>/<name> from its last checkpoint
     model: str = ""                    # HF model folder or name; "" = embedded SmolLM2-135M-Instruct
-    data: str = "toy"                  # training questions: "toy", a .jsonl/.parquet file or a dataset folder
+    data: str = "toy_nq"               # training questions: "toy", one toy kind (toy_nq: single-hop), a .jsonl/.parquet file or a dataset folder
     eval_data: str = ""                # held-out questions; "" = the test split of --data
     corpus: str = ""                   # JSONL corpus of an in-process retriever; "" = the toy world's
     retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL http://host:port/retrieve
@@ -183,7 +183,7 @@ class Config:
     max_obs_tokens: int = 200          # tokens per observation (paper: 500)
     max_prompt_tokens: int = 2048      # longer prompts are an error
     max_context: int = 4096            # prompt + turns + observations
-    temperature: float = 1.0           # sampling temperature of the rollouts
+    temperature: float = 0.7           # sampling temperature of the rollouts (log-probs use the same; paper: 1.0)
     top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off
     steps: int = 6                     # training steps (one rollout batch each)
     prompts_per_step: int = 8          # questions per step
@@ -695,7 +695,7 @@ def setup(cfg: Config, model=None, tokenizer=None):
 
     corpus = cfg.corpus or None
     if corpus is None and not cfg.retriever.startswith(("http://", "https://")):
-        if cfg.data != "toy":
+        if not data.is_toy(cfg.data):
             raise ValueError(f"the {cfg.retriever} retriever needs --corpus (a JSONL of passages) "
                              "for your own data, or a server URL as --retriever")
         corpus = str(data.toy_world() / "corpus.jsonl")

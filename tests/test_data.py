@@ -153,6 +153,10 @@ def test_load_toy(tmp_path, monkeypatch):
     assert len(records) == 5 and records[0]["id"] == "toy-test-0"
     with pytest.raises(ValueError, match="'train' and 'test'"):
         data.load_questions("toy", split="dev")
+    everything = data.load_questions("toy", split="test")
+    for kind in data.TOY_SOURCES:  # one kind = exactly the records of that data_source, in order
+        assert data.load_questions(kind, split="test") == [r for r in everything if r["data_source"] == kind]
+    assert [r["data_source"] for r in data.load_questions("toy_nq", limit=3)] == ["toy_nq"] * 3
 
 
 # ---------------------------------------------------------------------------- loaders

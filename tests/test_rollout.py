@@ -245,10 +245,11 @@ def test_build_prompt_templates():
         "<u>" + ro.SEARCH_R1_TEMPLATE.format(question="Who?") + "</u><a>"
     fewshot = TOK.decode(ro.build_prompt("Who?", TOK, "fewshot"))
     assert fewshot.startswith(ro.FEWSHOT_INSTRUCTION) and fewshot.endswith("Question: Who?\n")
-    question, [(action, query, [passage]), *_] = ro.FEWSHOT_EXAMPLES[0]
-    title, text = passage.split("\n")
-    assert f"Question: {question}\n<{action}> {query} </{action}>\n\n<information>Doc 1(Title: {title}) {text}" \
-        "</information>\n\n" in fewshot
+    question, [(action, query, passages), (note, sentence, _), (answer, gold, _)] = ro.FEWSHOT_EXAMPLES[0]
+    (title1, text1), (title2, text2) = (p.split("\n") for p in passages)
+    assert (f"Question: {question}\n<{action}> {query} </{action}>\n\n<information>Doc 1(Title: {title1}) "
+            f"{text1}\nDoc 2(Title: {title2}) {text2}</information>\n\n{sentence}\n<{answer}> {gold} </{answer}>"
+            "\n\nQuestion: ") in fewshot and note == "note"
     with pytest.raises(ValueError, match="template"):
         ro.build_prompt("Who?", TOK, "zero-shot")
 

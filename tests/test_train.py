@@ -17,7 +17,7 @@ KEYS = ["reward", "em", "response_length", "searches", "valid_action_ratio", "en
         "clip_ratio", "grad_norm", "skipped_steps", "llds/loss", "llds/active_token_frac",
         "llds/active_action_frac", "lld/logp_correct", "lld/logp_incorrect",
         "lld/displacement_correct", "lld/frac_correct_fell", "timing/rollout", "timing/retrieval",
-        "timing/logprob", "timing/update", "timing/step"]
+        "timing/logprob", "timing/update", "timing/step", "memory/peak_gb"]
 
 
 @pytest.fixture(autouse=True)
@@ -159,6 +159,29 @@ def test_token_logprobs_match_a_full_forward():
     assert torch.allclose(logp[:, 1:][on], full[on], atol=1e-5)
     assert torch.allclose(ent[:, 1:][on], full_ent[on], atol=1e-5)
     assert torch.all(logp[mask == 0] == 0) and torch.all(ent[mask == 0] == 0)
+
+
+def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
+    model, _ = tiny_policy()
+    prefix = torch.randint(0, 250, (20,))
+    ids = torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1)         # (3, 29)
+    ids[2, 20] = ids[0, 20]                           # rows 0 and 2 share one token more: still p = 20
+    attention = torch.ones_like(ids)
+    attention[1, -4:] = 0                             # right padding
+    assert train.shared_prefix_len(ids, attention) == 20
+
+    def run(fn):
+        model.zero_grad()
+        hidden = fn()
+        (hidden[attention.bool()] ** 2).mean().backward()
+        return hidden.detach(), [p.grad.clone() for p in model.base_model.parameters()]
+
+    plain, plain_grads = run(lambda: model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state)
+    shared, shared_grads = run(lambda: train.hidden_states(model, ids, attention))
+    on = attention.bool()
+    assert torch.allclose(shared[on], plain[on], atol=1e-5)
+    for g, h in zip(shared_grads, plain_grads):
+        assert torch.allclose(g, h, atol=1e-6, rtol=1e-4)
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, alternating_rewards, monkeypatch):

@@ -30,7 +30,9 @@ logit soft-capping or scaling would need that added in `token_logprobs`).
 """
 import argparse
 import copy
+import ctypes
 import dataclasses
+import gc
 import inspect
 import json
 import math
@@ -608,6 +610,7 @@ def run_eval(model, tokenizer, records, retriever, cfg: Config) -> dict:
     rng = torch.get_rng_state()                   # greedy needs no randomness; keep the stream intact
     scores = evaluation.evaluate(model, tokenizer, records, retriever, "search", rcfg, progress=True)
     torch.set_rng_state(rng)
+    release_memory()
     return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
             "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
             "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
@@ -753,6 +756,18 @@ def peak_memory_gb(device: torch.device) -> float | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def release_memory() -> None:
+    """Hand memory freed by the last phase back to the OS. glibc keeps freed blocks, and the
+    phases of a step (rollout, log-probs, update) allocate different shapes each time, so on CPU
+    the process's RSS otherwise grows from step to step."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):             # not glibc (e.g. musl)
+            pass
+
+
 def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, counters, run_dir):
     """One GRPO(+LLDS) step: rollouts, advantages, old/ref log-probs, mini-batch updates."""
     t_step = time.perf_counter()
@@ -769,6 +784,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     t = time.perf_counter()
     out = ro.rollout(model, tokenizer, records, retriever, rollout_config(cfg))
     t_rollout = time.perf_counter() - t
+    release_memory()
 
     # 2. Rewards (exact match, on the last model token in the paper; one number per episode here).
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)   # (N,)
@@ -789,6 +805,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     beta = answer_weight(cfg, out.episodes)
     stats = update(model, optimizer, batch, plan, cfg, beta, device, counters)
     t_update = time.perf_counter() - t
+    release_memory()
 
     metrics = {"step": step, "lr": lr, **rollout_stats(out, batch["old_logp"], rewards), "kl": None,
                **stats, "entropy": masked_mean(old_entropy, out.loss_mask).item(),

@@ -279,12 +279,11 @@ def resolve_model(path: str | None) -> str | None:
     if path is None or not Path(path).is_dir():
         return path
     p = Path(path)
-    if not (p / "config.json").exists():
-        ckpts = sorted(p.glob("ckpt-*"), key=_step)
-        if ckpts:
-            p = ckpts[-1]
-        if (p / "model" / "config.json").exists():
-            p = p / "model"
+    ckpts = sorted(p.glob("ckpt-*"), key=_step)   # a run folder (its config.json is train.py's)
+    if ckpts:
+        p = ckpts[-1]
+    if (p / "model" / "config.json").exists():
+        p = p / "model"
     if not (p / "config.json").exists():
         raise ValueError(f"{path}: no model here (expected an HF model folder with config.json, "
                          "a ckpt-<step> folder with model/, or a run folder with ckpt-* inside)")

@@ -182,6 +182,12 @@ def test_resolve_model_checkpoint_layouts(tmp_path):
     assert ev.resolve_model(str(tmp_path)) == str(tmp_path / "ckpt-100" / "model")
     assert ev.resolve_model(str(tmp_path / "ckpt-5")) == str(tmp_path / "ckpt-5" / "model")
     assert ev.resolve_model("SomeOrg/some-model") == "SomeOrg/some-model"
+    run = tmp_path / "run"                            # train.py's layout: its own config.json beside ckpt-*/
+    for step in (9, 10):
+        (run / f"ckpt-{step}").mkdir(parents=True)
+        (run / f"ckpt-{step}" / "config.json").write_text("{}")
+    (run / "config.json").write_text('{"steps": 10}')
+    assert ev.resolve_model(str(run)) == str(run / "ckpt-10")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no model here"):
         ev.resolve_model(str(tmp_path / "empty"))

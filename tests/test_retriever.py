@@ -1,5 +1,6 @@
 """Tests for retriever.py: real corpora, real indexes, a real server on a loopback port."""
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -149,12 +150,23 @@ def test_bm25_save_load_gives_identical_results_and_checks_the_corpus(bm25, corp
 
 
 @pytest.mark.parametrize("queries, topk, message", [
-    ([""], 3, r"queries\[0\] is empty"), (["ok", "  "], 3, r"queries\[1\] is empty"),
-    ("a string", 3, "must be a list"), ([3], 3, "must be a string"), (["ok"], 0, "topk"),
+    ("a string", 3, "must be a list"), ([3], 3, "must be a string"), (["ok"], 0, "topk"), (["ok"], -1, "topk"),
 ])
 def test_search_rejects_bad_queries_in_process(bm25, queries, topk, message):
     with pytest.raises(ValueError, match=message):
         bm25.search(queries, topk)
+
+
+def test_bm25_gives_queries_without_an_indexed_word_the_first_passages_at_score_0(bm25):
+    # Search-R1 sends `<search></search>` as ""; stopwords and unknown words leave nothing to score.
+    results = bm25.search(["", "capital of Germany", "the of and a", "   ", "zzzunknown"], 3)
+    for i in (0, 2, 3, 4):
+        assert [(h["document"]["id"], h["score"]) for h in results[i]] == [("paris", 0.0), ("berlin", 0.0),
+                                                                            ("dog", 0.0)]
+    assert results[1] == bm25.search(["capital of Germany"], 3)[0]  # neighbours unaffected
+    assert bm25.search([], 3) == []
+    R.check_queries(["", " "], 3)
+    R.check_queries([], 3)
 
 
 def test_open_retriever_builds_then_reuses_a_cached_index(tmp_path, monkeypatch):
@@ -235,6 +247,23 @@ def test_dense_finds_a_passage_from_its_own_text_and_survives_save_load(corpus, 
         R.DenseRetriever.load(tmp_path / "dense", corpus, encoder="other-model")
 
 
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-e5"])
+def test_dense_searches_empty_queries_and_empty_batches(corpus, tiny_encoder_dir, name):
+    # tiny-bert's tokenizer turns "" into zero tokens (no [CLS]/[SEP]); tiny-e5 adds "query: ".
+    r = R.DenseRetriever.build(corpus, str(tiny_encoder_dir / name), bf16=False)
+    empty, other = r.search(["", "capital of Germany"], 3)
+    assert len(empty) == 3 and all(math.isfinite(h["score"]) for h in empty)
+    alone = r.search(["capital of Germany"], 3)[0]
+    assert [h["document"]["id"] for h in other] == [h["document"]["id"] for h in alone]
+    assert [h["score"] for h in other] == pytest.approx([h["score"] for h in alone], abs=1e-5)
+    only_empty = r.search(["", ""], 3)  # a batch with nothing but empty queries
+    assert only_empty[0] == only_empty[1] and len(only_empty[0]) == 3
+    if name == "tiny-bert":  # no tokens at all: a zero vector, which scores 0 against every passage
+        for hits in (empty, only_empty[0]):
+            assert [h["score"] for h in hits] == [0.0, 0.0, 0.0] and len({h["document"]["id"] for h in hits}) == 3
+    assert r.search([], 3) == []
+
+
 def test_chunked_topk_equals_a_full_sort():
     torch.manual_seed(0)
     passages = torch.nn.functional.normalize(torch.randn(103, 8), dim=-1)
@@ -255,19 +284,28 @@ def test_minilm_dense_retrieval_returns_sensible_neighbours(corpus):
                "biggest planet", "a musical instrument with strings"]
     top = [hits[0]["document"]["id"] for hits in r.search(queries, 3)]
     assert top == ["berlin", "dog", "everest", "jupiter", "violin"]
+    assert len(r.search([""], 3)[0]) == 3  # [CLS] [SEP] alone still embeds
 
 
 # ---------------------------------------------------------------------------------- server
 
 
+@contextlib.contextmanager
+def serving(retriever, **flags):
+    """A real server over `retriever` on a free loopback port; yields its base URL."""
+    srv = R.make_server(retriever, "127.0.0.1", 0, read_timeout=2.0, **flags)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.fixture(scope="module")
 def server(bm25):
-    srv = R.make_server(bm25, "127.0.0.1", 0, read_timeout=2.0)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serving(bm25) as url:
+        yield url
 
 
 def test_server_answers_in_the_exact_search_r1_format(server, bm25):
@@ -290,21 +328,72 @@ def test_server_answers_in_the_exact_search_r1_format(server, bm25):
     assert health == {"status": "ok", "backend": "bm25", "n_docs": len(DOCS)}
 
 
+# What the original Search-R1 trainer sends (search_r1/llm_agent/generation.py posts every turn).
+
+
+def test_server_answers_a_turn_without_searches_with_an_empty_result(server):
+    r = requests.post(server + "/retrieve", json={"queries": [], "topk": 3, "return_scores": True}, timeout=10)
+    assert r.status_code == 200 and r.json() == {"result": []}
+
+
+def test_server_searches_an_empty_query_and_leaves_the_others_alone(server, bm25):
+    queries = ["capital of Germany", "", "river in Africa"]
+    r = requests.post(server + "/retrieve", json={"queries": queries, "topk": 3, "return_scores": True}, timeout=10)
+    assert r.status_code == 200
+    assert r.json()["result"] == [bm25.search([q], 3)[0] for q in queries]
+    assert [h["score"] for h in r.json()["result"][1]] == [0.0, 0.0, 0.0]
+
+
+def test_server_takes_a_whole_search_r1_turn_in_one_post(server):
+    queries = list(QUERIES) * 320  # 512 prompts x 5 samples = 2,560 rows searching at once
+    r = requests.post(server + "/retrieve", json={"queries": queries, "topk": 3, "return_scores": True}, timeout=60)
+    assert r.status_code == 200
+    assert [hits[0]["document"]["id"] for hits in r.json()["result"]] == [QUERIES[q] for q in queries]
+    assert R.MAX_QUERIES >= 4096
+
+
+def test_server_uses_its_topk_flag_when_a_request_sends_no_topk_null_or_0(bm25):
+    q = "capital of Germany"
+    with serving(bm25, topk=2) as url:
+        for extra in ({}, {"topk": None}, {"topk": 0}):
+            r = requests.post(url + "/retrieve", json={"queries": [q], "return_scores": True, **extra}, timeout=10)
+            assert r.status_code == 200 and r.json()["result"] == bm25.search([q], 2), extra
+        r = requests.post(url + "/retrieve", json={"queries": [q], "topk": 4}, timeout=10)
+        assert len(r.json()["result"][0]) == 4
+    with pytest.raises(ValueError, match="--topk must be between 1 and 100"):
+        R.make_server(bm25, "127.0.0.1", 0, topk=0)
+
+
+def test_server_body_limit_follows_max_queries_and_fits_the_longest_queries(bm25):
+    # A non-BMP character costs JSON 12 bytes ("\ud83d\ude00"): the worst case must still fit.
+    longest = "\U0001F600" * R.MAX_QUERY_CHARS
+    with serving(bm25, max_queries=2) as url:
+        r = requests.post(url + "/retrieve", json={"queries": [longest, longest], "topk": 1}, timeout=10)
+        assert r.status_code == 200 and len(r.json()["result"]) == 2
+        r = requests.post(url + "/retrieve", json={"queries": ["a", "b", "c"], "topk": 1}, timeout=10)
+        assert r.status_code == 400 and "too many queries: 3 > 2" in r.json()["error"]
+        assert "--max-queries" in r.json()["error"]
+        limit = R.max_body_bytes(2)
+        status, body = raw_request(url, f"POST /retrieve HTTP/1.1\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
+        assert status == 413 and f"over the {limit} byte limit (set by --max-queries 2)" in body["error"]
+    assert len(json.dumps({"queries": [longest] * 2, "topk": 1}, indent=4)) <= limit
+
+
 BAD_BODIES = [
     (b"{not json", 400, "not valid JSON"),
     (b"\xff\xfe", 400, "not valid JSON"),
     (b'["capital"]', 400, "must be a JSON object"),
     (b'{"topk": 3}', 400, "missing 'queries'"),
     (b'{"queries": "capital", "topk": 3}', 400, "must be a list"),
-    (b'{"queries": [], "topk": 3}', 400, "queries is empty"),
+    (b'{"queries": null, "topk": 3}', 400, "must be a list"),
     (b'{"queries": ["ok", 5], "topk": 3}', 400, r"queries\[1\] must be a string"),
-    (b'{"queries": [""], "topk": 3}', 400, r"queries\[0\] is empty"),
-    (b'{"queries": ["ok"], "topk": 0}', 400, "topk"),
+    (b'{"queries": ["ok"], "topk": -1}', 400, "topk must be a positive integer"),
+    (b'{"queries": ["ok"], "topk": 2.5}', 400, "topk"),
     (b'{"queries": ["ok"], "topk": 101}', 400, "between 1 and 100"),
     (b'{"queries": ["ok"], "topk": "3"}', 400, "topk"),
     (b'{"queries": ["ok"], "topk": true}', 400, "topk"),
     (b'{"queries": ["ok"], "topk": 3, "return_scores": "yes"}', 400, "return_scores"),
-    (json.dumps({"queries": ["q"] * 513, "topk": 3}).encode(), 400, "too many queries: 513 > 512"),
+    (json.dumps({"queries": ["q"] * 4097, "topk": 3}).encode(), 400, "too many queries: 4097 > 4096"),
     (json.dumps({"queries": ["x" * 2001], "topk": 3}).encode(), 400, r"2001 characters"),
 ]
 
@@ -331,8 +420,9 @@ def raw_request(url, data: bytes, wait_s=5.0):
 
 
 def test_server_rejects_oversized_missing_length_wrong_path_and_stalled_bodies(server):
-    status, body = raw_request(server, b"POST /retrieve HTTP/1.1\r\nContent-Length: 5000000\r\n\r\n")
-    assert status == 413 and "over the 1048576 byte limit" in body["error"]
+    limit = R.max_body_bytes(R.MAX_QUERIES)
+    status, body = raw_request(server, f"POST /retrieve HTTP/1.1\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
+    assert status == 413 and f"over the {limit} byte limit" in body["error"]
     status, body = raw_request(server, b"POST /retrieve HTTP/1.1\r\n\r\n")
     assert status == 411 and "Content-Length" in body["error"]
     status, body = raw_request(server, b"POST /search HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
@@ -415,6 +505,13 @@ def test_client_retries_5xx_and_splits_big_batches(flaky):
         R.RetrieverClient(f"http://127.0.0.1:{flaky.server_address[1]}", retries=1, backoff=0.01).search(["q"], 1)
 
 
+def test_client_sends_no_post_for_no_queries_and_passes_empty_queries_on(flaky, server, bm25):
+    flaky.failures = 0
+    assert R.RetrieverClient(f"http://127.0.0.1:{flaky.server_address[1]}").search([], 3) == []
+    assert flaky.posts == []
+    assert R.RetrieverClient(server).search(["", "capital of Germany"], 2) == bm25.search(["", "capital of Germany"], 2)
+
+
 def test_client_names_the_url_when_unreachable_and_passes_4xx_errors_on(server):
     with socket.socket() as s:  # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -455,14 +552,20 @@ def test_cli_index_search_and_clear_errors(tmp_path):
 def test_cli_serve_starts_a_real_server(tmp_path):
     path = write_corpus(tmp_path / "corpus.jsonl")
     env = {**os.environ, "LLDS_CACHE": str(tmp_path)}
+    r = run_cli("serve", "--corpus", str(path), "--topk", "0", cache=tmp_path)
+    assert r.returncode == 1 and "--topk must be between 1 and 100" in r.stderr and "Traceback" not in r.stderr
     proc = subprocess.Popen([sys.executable, str(REPO / "retriever.py"), "serve", "--corpus", str(path),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--port", "0", "--topk", "1", "--max-queries", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert "serving bm25 over 8 passages on http://127.0.0.1:" in line, proc.stderr.read()
         url = line.split(" on ")[1].split()[0]
-        r = requests.post(url, json={"queries": ["largest planet"], "topk": 1, "return_scores": True}, timeout=10)
+        r = requests.post(url, json={"queries": ["largest planet", ""], "return_scores": True}, timeout=10)
+        assert [len(hits) for hits in r.json()["result"]] == [1, 1]  # --topk 1
         assert r.json()["result"][0][0]["document"]["id"] == "jupiter"
+        r = requests.post(url, json={"queries": ["q"] * 5}, timeout=10)
+        assert r.status_code == 400 and "too many queries: 5 > 4" in r.json()["error"]
     finally:
         proc.terminate()
         proc.wait(10)

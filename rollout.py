@@ -33,7 +33,10 @@ Choices and simplifications (each also noted where it is made):
   them (see `_GrowingLayer`, `_share_kv_heads_on_cpu`). bf16 autocast is on by default: 1.45x
   faster for a batch of 16 on this CPU (slightly slower for a batch of one).
 * Search is only run in the first `max_turns` turns; the one extra final turn may only answer.
-  A `<search>` there (or no action) ends the episode unfinished, with nothing appended.
+  A `<search>` there (or no action) ends the episode unfinished, with nothing appended. A
+  sampled EOS in any turn also ends it unfinished (the model ended its response; the EOS keeps
+  loss 1, so GRPO learns whether stopping paid). The original instead drops the EOS when it
+  re-tokenises and appends the invalid-action message.
 * Forced text (observations, the invalid-action message) is tokenised as it would be inside
   running text: a string-final "\n\n" otherwise becomes a token SmolLM2 never saw before a tag,
   and it then stops writing tags after observations (measured: 0/16 answers instead of 16/16).
@@ -238,12 +241,13 @@ MAX_QUERY_CHARS = 2000  # retriever.py's server limit per query
 
 
 def format_passages(hits: list[dict]) -> str:
-    """Search-R1's passage block: one line `Doc i(Title: {first line}) {rest}` per hit."""
+    """Search-R1's passage block, byte for byte: `Doc i(Title: {first line}) {rest}` per hit, one
+    per line, the whole block stripped (so a passage without text ends in `)`, not `) `)."""
     lines = []
     for i, hit in enumerate(hits, 1):
         title, _, text = hit["document"]["contents"].partition("\n")
-        lines.append(f"Doc {i}(Title: {title}) {text}")
-    return "\n".join(lines)
+        lines.append(f"Doc {i}(Title: {title}) {text}\n")
+    return "".join(lines).strip()
 
 
 def _encode_in_text(tokenizer, text: str) -> list[int]:
@@ -346,8 +350,8 @@ class Rollout:
     episodes: list[dict]          # text, answer, golds, n_search, n_valid, finished, reward, em, f1, ...
     timing: dict = field(default_factory=dict)  # {"generate": s, "retrieval": s}
     n_generated: int = 0          # model-sampled tokens in total
-    logp: torch.Tensor | None = None  # (B, T) float: log p(token_t | <t) at sampling time (T = 1) on
-    #                                   loss_mask positions, 0 elsewhere; a recompute must match it
+    logp: torch.Tensor | None = None  # (B, T) float: log p(token_t | <t) at sampling time and at the
+    #                                   sampling temperature on loss_mask positions, 0 elsewhere
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,12 +487,12 @@ class _Batch:
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) float logits -> next tokens (B,) and their log-probs at temperature 1 (B,).
+    """(B, V) float logits -> next tokens (B,) and their log-probs (B,).
 
-    The recorded log-prob is the raw model log-softmax, i.e. what a training recompute gives,
-    whatever temperature / top-p shaped the sampling distribution.
+    The recorded log-prob is log_softmax(logits / temperature) (temperature 1 when greedy): the
+    policy that train.py's old-log-prob pass recomputes, before top-p truncation.
     """
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits if cfg.greedy else logits / cfg.temperature, dim=-1)
     if cfg.greedy:
         tokens = logits.argmax(-1)
     else:
@@ -633,6 +637,8 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             # to what Search-R1-compatible servers accept.
             if match and (match.group(1) == "answer" or match.group(2).strip()):
                 actions.append((match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]))
+            elif ids and stops.eos[ids[-1]]:
+                actions.append(("eos", None))
             else:
                 actions.append((None, None))
         searching = [i for i, (kind, _) in enumerate(actions) if kind == "search" and can_search]
@@ -652,7 +658,10 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
                 ep.n_valid += 1
                 ep.finished, ep.answer_turn = True, len(ep.turns) - 1
                 continue
-            if not can_search:  # final turn: a search or no action ends the episode unfinished
+            # A sampled EOS is the model ending its response: the episode ends unfinished, the
+            # EOS kept with loss 1 (as in single-turn GRPO). So does a search or no action in
+            # the final turn.
+            if kind == "eos" or not can_search:
                 continue
             if kind == "search":
                 ep.n_search += 1

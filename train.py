@@ -332,7 +332,7 @@ def shared_prefix_len(input_ids, attention_mask) -> int:
     return int(same.long().cumprod(0).sum())
 
 
-def hidden_states(model, input_ids, attention_mask):
+def hidden_states(model, input_ids, attention_mask, share_prefix=True):
     """The last hidden states (B, T, H), running the prompt prefix all rows share only once.
 
     The few-shot prompt is ~60% of every CPU-demo trajectory. Its keys/values are computed for
@@ -340,11 +340,13 @@ def hidden_states(model, input_ids, attention_mask):
     one plain forward (rows see the same keys/values) and the same gradients (the expansion sums
     them over rows). Measured on SmolLM2, 4 rows x 764 tokens, bf16 autocast, fwd+bwd: 6.9 s and
     3.5 GB peak RSS instead of 13.0 s and 4.7 GB. Gradient checkpointing disables HF's cache in
-    training, so with it (GPU runs) this is a plain forward.
+    training, so with it (GPU runs) every pass runs `share_prefix=False`: a plain forward. The
+    caller picks the path from the config, never from grad mode: in bf16 the two paths differ
+    by up to 0.36 nats/token, and old, reference and update log-probs must come from one path.
     """
     n, length = input_ids.shape
     p = min(shared_prefix_len(input_ids, attention_mask), length - 1)
-    if n == 1 or p < 16 or (torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)):
+    if not share_prefix or n == 1 or p < 16:
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 use_cache=False).last_hidden_state
     first = model.base_model(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True)
@@ -356,14 +358,14 @@ def hidden_states(model, input_ids, attention_mask):
     return torch.cat([first.last_hidden_state.expand(n, -1, -1), rest], dim=1)
 
 
-def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=1024):
+def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, share_prefix=True, chunk=1024):
     """log p(token_t | tokens_<t) and the entropy there, on loss-mask positions only.
 
     input_ids, attention_mask, loss_mask: (B, T) -> (logp, entropy): (B, T) float32, 0 elsewhere.
     The LM head runs on model tokens only (prompt and observations never need logits) and in
     chunks; with grad each chunk is checkpointed, so at most `chunk` x vocab logits are alive.
     """
-    hidden = hidden_states(model, input_ids, attention_mask)               # (B, T, H)
+    hidden = hidden_states(model, input_ids, attention_mask, share_prefix)  # (B, T, H)
     picked = loss_mask[:, 1:].bool()                  # (B, T-1): the next token is a model token
     h, targets = hidden[:, :-1][picked], input_ids[:, 1:][picked]          # (N, H), (N,)
     lm_head = model.get_output_embeddings()
@@ -413,7 +415,8 @@ def plan_logprobs(model, batch, plan, cfg, device) -> tuple[torch.Tensor, torch.
     for micro in (mu for mb in plan for mu in mb):
         r = rows(batch, micro, device)
         with autocast(device, cfg.bf16):
-            lp, e = token_logprobs(model, r["input_ids"], r["attention_mask"], r["loss_mask"], cfg.temperature)
+            lp, e = token_logprobs(model, r["input_ids"], r["attention_mask"], r["loss_mask"], cfg.temperature,
+                                   share_prefix=not cfg.grad_checkpointing)
         logp[micro, :lp.shape[1]], ent[micro, :e.shape[1]] = lp.cpu(), e.cpu()
     return logp, ent
 
@@ -455,7 +458,8 @@ def update(model, optimizer, batch, plan, cfg, beta, device, counters) -> dict:
             mask, adv = r["loss_mask"], r["advantages"]
             w_tok = float(mask.sum() / mini_tokens)
             with autocast(device, cfg.bf16):
-                logp, entropy = token_logprobs(model, r["input_ids"], r["attention_mask"], mask, cfg.temperature)
+                logp, entropy = token_logprobs(model, r["input_ids"], r["attention_mask"], mask, cfg.temperature,
+                                               share_prefix=not cfg.grad_checkpointing)
             pg, pg_stats = policy_loss(logp, r["old_logp"], adv, mask, clip=cfg.clip_eps)
             ent = masked_mean(entropy, mask)
             loss = (pg - cfg.entropy_coef * ent) * w_tok
@@ -488,7 +492,9 @@ def update(model, optimizer, batch, plan, cfg, beta, device, counters) -> dict:
     stats = {k: totals[k] / weights[k] for k in totals if weights[k] > 0}
     finite = [x for x in norms if math.isfinite(x)]
     stats["grad_norm"] = statistics.fmean(finite) if finite else float("nan")
-    stats["grad_norm_max"] = max(norms)
+    # A non-finite norm must win the max (max([1.0, nan]) is 1.0): the monitor checks it.
+    stats["grad_norm_max"] = max(norms, key=lambda x: x if math.isfinite(x) else math.inf)
+    stats["grad_norm_nonfinite"] = len(norms) - len(finite)
     return stats
 
 
@@ -519,19 +525,27 @@ def rollout_stats(ro_out, old_logp, rewards) -> dict:
         "finished": statistics.fmean(float(e["finished"]) for e in eps),
         "lld/logp_correct": mean_or_none(per_response, correct & has_tokens),
         "lld/logp_incorrect": mean_or_none(per_response, ~correct & has_tokens),
+        # sampling-time vs recomputed log-probs (KV-cache decode vs full forward, bf16 rounding)
+        "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),
     }
 
 
 @torch.no_grad()
-def displacement(model, batch, correct_idx, old_logp, cfg, device) -> dict:
-    """Likelihood displacement of the correct responses caused by this step's updates:
-    summed log-prob after minus before (the rollout policy), one extra no-grad forward."""
-    if len(correct_idx) == 0:
+def displacement(model, batch, plan, correct, old_logp, cfg, device) -> dict:
+    """Likelihood displacement of the correct responses caused by this step's updates: summed
+    log-prob after minus before (the rollout policy), one extra no-grad forward.
+
+    "After" is recomputed in the very micro-batches of `plan` that computed `old_logp` (same
+    rows, same padding, same path), so with unchanged weights every sum is exactly 0; regrouping
+    the rows changes prefix and padding, which in bf16 alone moved sums by up to 0.32 nats.
+    correct (N,) bool.
+    """
+    micros = [mu for mb in plan for mu in mb if correct[mu].any()]
+    if not micros:
         return {"lld/displacement_correct": None, "lld/frac_correct_fell": None}
-    plan = [list(correct_idx.split(cfg.micro_batch_size))]
-    after, _ = plan_logprobs(model, batch, plan, cfg, device)
-    mask = batch["loss_mask"][correct_idx]
-    delta = masked_sum(after[correct_idx] - old_logp[correct_idx], mask, dim=1)    # (C,)
+    after, _ = plan_logprobs(model, batch, [micros], cfg, device)
+    idx = torch.nonzero(correct).flatten()
+    delta = masked_sum(after[idx] - old_logp[idx], batch["loss_mask"][idx], dim=1)    # (C,)
     return {"lld/displacement_correct": delta.mean().item(),
             "lld/frac_correct_fell": (delta < 0).float().mean().item()}
 
@@ -557,7 +571,9 @@ class SpiralMonitor:
                     "the first sign of a GRPO collapse (keep LLDS on, or raise --llds-lambda)")
         norm = metrics.get("grad_norm_max")
         if norm is not None:
-            if len(norms) >= 5 and (not math.isfinite(norm) or norm > self.factor * statistics.median(norms[-50:])):
+            if not math.isfinite(norm):
+                warnings.append(f"step {step}: gradient norm {norm}; the update was skipped (skipped_steps)")
+            elif len(norms) >= 5 and norm > self.factor * statistics.median(norms[-50:]):
                 warnings.append(
                     f"step {step}: gradient norm {norm:.3g} is above {self.factor:g} x its running median "
                     f"{statistics.median(norms[-50:]):.3g}; with rising entropy this is the collapse phase")
@@ -701,12 +717,18 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 def make_reference(model, device, cfg: Config):
     """The frozen initial policy of the k3 KL term; None when kl_coef == 0 (as in the CPU demo,
     where a second copy of the model would cost memory and a forward pass for nothing).
-    bf16 on CUDA: it only runs forward under autocast anyway, and 3B fp32 would be 12 GB."""
+
+    It runs as the policy does (same autocast, same log-prob path), so on CPU, where it is an
+    exact fp32 copy, KL is exactly 0 until the first update. On CUDA its weights are stored in
+    bf16 (3B in fp32 would be 12 GB more), which leaves a small KL at step 1 from the bf16
+    embeddings and norm weights; the buffers stay fp32 (RoPE's inv_freq in bf16 is 0.37% off).
+    """
     if cfg.kl_coef <= 0:
         return None
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     if device.type == "cuda" and cfg.bf16:
-        ref = ref.to(torch.bfloat16)
+        for p in ref.parameters():
+            p.data = p.data.to(torch.bfloat16)
     return ref.to(device)
 
 
@@ -830,8 +852,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                "lld/displacement_correct": None, "lld/frac_correct_fell": None}
     if cfg.displacement_every and step % cfg.displacement_every == 0:
         t = time.perf_counter()
-        metrics.update(displacement(model, batch, torch.nonzero(rewards > 0).flatten(),
-                                    batch["old_logp"], cfg, device))
+        metrics.update(displacement(model, batch, plan, rewards > 0, batch["old_logp"], cfg, device))
         t_logprob += time.perf_counter() - t
     metrics.update({"timing/rollout": t_rollout, "timing/retrieval": out.timing["retrieval"],
                     "timing/logprob": t_logprob, "timing/update": t_update,

@@ -159,15 +159,26 @@ def test_search_observation_answer():
     assert out.timing.keys() == {"generate", "retrieval"}
 
 
-def test_invalid_action_gets_fixed_message_and_eos_is_kept():
-    pieces = [(enc("I am not sure") + [EOS], False), (ro.INVALID_ACTION, True),
-              ("<answer> Paris </answer>", False)]
+def test_invalid_action_gets_fixed_message():
+    pieces = [("I am not sure</search>", False), (ro.INVALID_ACTION, True), ("<answer> Paris </answer>", False)]
     out, [(ids, kinds, plen)], retriever = run([pieces])
     assert_layout(out, 0, ids, kinds, plen, answer_text="<answer> Paris </answer>")
     assert retriever.calls == []
     ep = out.episodes[0]
     # the message's own "<answer> and </answer>" must never be read as the model's answer
     assert (ep["answer"], ep["reward"], ep["n_valid"], ep["finished"]) == ("Paris", 0.0, 1, True)
+
+
+def test_eos_in_a_search_turn_ends_the_episode_and_is_trained_on():
+    # A sampled EOS ends the episode unfinished; it stays in the trajectory with loss 1 and
+    # nothing is appended (the script would go on, so an appended message would show).
+    pieces = [(enc("I am not sure") + [EOS], False)]
+    out, [(ids, kinds, plen)], retriever = run([pieces], max_turns=3)
+    assert_layout(out, 0, ids, kinds, plen)
+    assert out.loss_mask[0, len(ids) - 1] == 1 and out.input_ids[0, len(ids) - 1] == EOS
+    assert retriever.calls == []
+    ep = out.episodes[0]
+    assert (ep["answer"], ep["reward"], ep["n_search"], ep["n_valid"], ep["finished"]) == (None, 0.0, 0, 0, False)
 
 
 def test_empty_search_query_is_an_invalid_action():
@@ -254,11 +265,28 @@ def test_build_prompt_templates():
         ro.build_prompt("Who?", TOK, "zero-shot")
 
 
-def test_format_passages_matches_search_r1():
-    hits = [{"document": {"id": "1", "contents": '"Paris"\nParis is the capital.\nIt is big.'}, "score": 2.0},
-            {"document": {"id": "2", "contents": '"Lyon"\nLyon is a city.'}, "score": 1.0}]
-    assert ro.format_passages(hits) == ('Doc 1(Title: "Paris") Paris is the capital.\nIt is big.\n'
-                                        'Doc 2(Title: "Lyon") Lyon is a city.')
+def search_r1_passages2string(retrieval_result):
+    """Search-R1's own code (search_r1/llm_agent/generation.py, _passages2string), and the
+    .strip() its execute_predictions applies before wrapping the block in <information>."""
+    format_reference = ''
+    for idx, doc_item in enumerate(retrieval_result):
+        content = doc_item['document']['contents']
+        title = content.split("\n")[0]
+        text = "\n".join(content.split("\n")[1:])
+        format_reference += f"Doc {idx+1}(Title: {title}) {text}\n"
+    return format_reference.strip()
+
+
+@pytest.mark.parametrize("contents", [
+    ['"Paris"\nParis is the capital.\nIt is big.', '"Lyon"\nLyon is a city.'],
+    ['"Paris"\nParis is the capital.', '"Cars"'],                # last passage without text
+    ['"A"\ntext ends in a space ', '  "B"\n\n'],                # whitespace at both ends
+])
+def test_format_passages_matches_search_r1_byte_for_byte(contents):
+    hits = [{"document": {"id": str(i), "contents": c}, "score": 1.0} for i, c in enumerate(contents)]
+    assert ro.format_passages(hits) == search_r1_passages2string(hits)
+    if contents[1] == '"Cars"':
+        assert ro.format_passages(hits).endswith('Doc 2(Title: "Cars")')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +313,8 @@ def test_recomputed_logprobs_match_sampling_time(prompts):
     assert out.loss_mask.sum() > 0 and (out.attention_mask - out.loss_mask).sum() > out.prompt_len.sum()
     with torch.no_grad():
         logits = model(input_ids=out.input_ids, attention_mask=out.attention_mask).logits
-    recomputed = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, out.input_ids[:, 1:, None])[..., 0]
+    # Recorded at the sampling temperature: what train.py's old-log-prob pass recomputes.
+    recomputed = torch.log_softmax(logits[:, :-1].float() / 0.7, -1).gather(-1, out.input_ids[:, 1:, None])[..., 0]
     mask = out.loss_mask[:, 1:]
     assert torch.isfinite(out.logp).all()
     torch.testing.assert_close(recomputed * mask, out.logp[:, 1:] * mask, atol=2e-5, rtol=0)

@@ -29,9 +29,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_policy(seed=0):
+def tiny_policy(seed=0, **shape):
     tokenizer = gpu_check.byte_tokenizer()
-    return gpu_check.random_model(gpu_check.TINY, len(tokenizer), torch.device("cpu"), seed), tokenizer
+    return gpu_check.random_model({**gpu_check.TINY, **shape}, len(tokenizer), torch.device("cpu"), seed), tokenizer
 
 
 def tiny_config(tmp_path, **overrides):
@@ -222,6 +222,59 @@ def test_non_finite_gradient_skips_the_step(tmp_path, alternating_rewards):
     assert all(torch.equal(before[k], v) for k, v in params(model).items())
 
 
+def test_a_non_finite_norm_in_a_later_mini_batch_reaches_the_log_and_the_monitor(tmp_path, alternating_rewards):
+    model, tokenizer = tiny_policy()
+    calls = []
+
+    def nan_on_second_mini_batch(g):                   # micro-batches of 1: backward 3 is mini-batch 2
+        calls.append(1)
+        return g * math.nan if len(calls) == 3 else g
+
+    model.lm_head.weight.register_hook(nan_on_second_mini_batch)
+    train.train(tiny_config(tmp_path, steps=1, eval_size=0), model, tokenizer)
+    line = step_lines(tmp_path / "run")[0]
+    assert line["skipped_steps"] == 1 and line["grad_norm_nonfinite"] == 1
+    assert line["grad_norm"] > 0 and line["grad_norm_max"] is None   # NaN, logged as null
+    assert line["lld/warning"] == 1
+    warnings = train.SpiralMonitor(window=3, factor=10.0).check(1, {"grad_norm_max": math.nan})
+    assert len(warnings) == 1 and "nan" in warnings[0]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+@pytest.mark.parametrize("grad_checkpointing", [True, False])
+def test_equal_weights_give_equal_logprobs_on_every_path(tmp_path, alternating_rewards, monkeypatch,
+                                                         bf16, grad_checkpointing):
+    # lr 0: the weights never move, so every ratio, KL and displacement must be exactly 1 / 0.
+    # Micro-batches of 2 rows share the few-shot prefix, so the shared-prefix path is live.
+    seen = []
+    real_policy_loss = train.policy_loss
+
+    def recording(logp, old_logp, advantages, loss_mask, **kw):
+        seen.append(float(((logp - old_logp) * loss_mask).abs().max().detach()))
+        return real_policy_loss(logp, old_logp, advantages, loss_mask, **kw)
+
+    monkeypatch.setattr(train, "policy_loss", recording)
+    model, tokenizer = tiny_policy(hidden_size=64, intermediate_size=128)   # at 32 bf16 paths agree
+    cfg = tiny_config(tmp_path, steps=1, lr=0.0, eval_size=0, micro_batch_size=2, mini_batch_size=2,
+                      kl_coef=0.1, bf16=bf16, grad_checkpointing=grad_checkpointing)
+    train.train(cfg, model, tokenizer)
+    line = step_lines(tmp_path / "run")[0]
+    assert seen == [0.0, 0.0]                          # the first (and second) mini-batch: ratio == 1
+    assert line["clip_ratio"] == 0 and line["ppo_kl"] == 0 and line["kl"] == 0
+    assert line["llds/active_token_frac"] == 0 and line["llds/loss"] == 0
+    assert line["lld/displacement_correct"] == 0 and line["lld/frac_correct_fell"] == 0
+
+
+def test_reference_keeps_its_buffers_in_fp32(tmp_path, monkeypatch):
+    model, _ = tiny_policy()
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *args, **kwargs: self)   # no GPU here
+    ref = train.make_reference(model, torch.device("cuda"), tiny_config(tmp_path, kl_coef=0.1, bf16=True))
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    buffers = dict(ref.named_buffers())
+    assert buffers and {b.dtype for b in buffers.values()} == {torch.float32}
+    assert all(torch.equal(b, dict(model.named_buffers())[k]) for k, b in buffers.items())
+
+
 def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, steps=2, eval_size=0)
     run = tmp_path / "run"
@@ -290,3 +343,30 @@ def test_gpu_check_runs_tiny_on_cpu(capsys):
     out = gpu_check.main(["--tiny", "--steps", "1", "--prompts", "2", "--group-size", "2", "--micro-batch-size", "2"])
     assert len(out["steps"]) == 1 and out["steps"][0]["skipped_steps"] == 0
     assert "rollout" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_smollm2_displacement_monitor_has_no_noise_floor():
+    # The real model in bf16 autocast: regrouping the correct rows into new micro-batches (new
+    # padding, new prefix sharing) moved per-response sums by up to 0.32 nats with the weights
+    # unchanged. Recomputed in the old pass's own micro-batches, every sum is exactly 0.
+    model, tokenizer = ro.load_policy()
+    prompt = ro.build_prompt("Where was Doravin Kelso born?", tokenizer)
+    tails = ["<search> Doravin Kelso </search>", "Doravin Kelso was born in Mirefield. <answer> Mirefield </answer>",
+             "<answer> 1961 </answer>", "<search> Kelso birthplace city </search> and more words here"]
+    seqs = [prompt + tokenizer(t, add_special_tokens=False)["input_ids"] for t in tails]
+    width = max(map(len, seqs))
+    batch = {"input_ids": torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
+             "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])}
+    batch["loss_mask"] = batch["attention_mask"].float()
+    batch["loss_mask"][:, :len(prompt)] = 0
+    batch["answer_mask"] = torch.zeros(batch["loss_mask"].shape)
+    cfg, cpu = train.Config(bf16=True, micro_batch_size=2), torch.device("cpu")
+    plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
+    old, _ = train.plan_logprobs(model, batch, plan, cfg, cpu)
+    correct = torch.tensor([True, False, True, False])
+    assert train.displacement(model, batch, plan, correct, old, cfg, cpu) == {
+        "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0}
+    # the same rows regrouped (what the monitor did before) are not bit-identical
+    regrouped, _ = train.plan_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
+    assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0

@@ -339,7 +339,7 @@ class Rollout:
     """One batch of finished episodes, ready for the loss.
 
     episodes[i] keys: id, text (everything after the prompt, decoded), answer (str or None),
-    golds, n_search (searches executed), n_valid (executed searches + the answer), finished
+    golds, queries (the executed search queries, in order), n_search (searches executed), n_valid (executed searches + the answer), finished
     (ended with <answer>), reward (= em), em, f1, data_source.
     """
     input_ids: torch.Tensor       # (B, T) long, right-padded: prompt, turns, observations
@@ -573,6 +573,7 @@ class _Episode:
     logps: list[float]            # per token: sampling log-prob (0 where kind != 1)
     prompt_len: int
     turns: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn
+    queries: list[str] = field(default_factory=list)
     n_search: int = 0
     n_valid: int = 0
     finished: bool = False
@@ -652,7 +653,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
 
         t0 = time.perf_counter()
         keep, pending = [], []
-        for i, (e, (kind, _)) in enumerate(zip(active, actions)):
+        for i, (e, (kind, query)) in enumerate(zip(active, actions)):
             ep = episodes[e]
             if kind == "answer":
                 ep.n_valid += 1
@@ -664,6 +665,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             if kind == "eos" or not can_search:
                 continue
             if kind == "search":
+                ep.queries.append(query)
                 ep.n_search += 1
                 ep.n_valid += 1
             forced = obs.get(i, invalid_ids)
@@ -719,7 +721,7 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         golds = _as_list(ep.record.get("golds", []))
         em, f1 = exact_match(answer, golds), f1_score(answer, golds)
         results.append({"id": ep.record.get("id"), "text": tokenizer.decode(ep.ids[ep.prompt_len:]),
-                        "answer": answer, "golds": golds, "n_search": ep.n_search, "n_valid": ep.n_valid,
+                        "answer": answer, "golds": golds, "queries": ep.queries, "n_search": ep.n_search, "n_valid": ep.n_valid,
                         "finished": ep.finished, "reward": em, "em": em, "f1": f1,
                         "data_source": ep.record.get("data_source", "unknown")})
     return Rollout(

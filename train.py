@@ -500,7 +500,23 @@ def update(model, optimizer, batch, plan, cfg, beta, device, counters) -> dict:
 
 # ---- LLD monitor ---------------------------------------------------------------------------
 
-def rollout_stats(ro_out, old_logp, rewards) -> dict:
+def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: torch.Tensor) -> float | None:
+    """Fraction of (correct, incorrect) response pairs of one group whose first search query is
+    the same (lower-cased, whitespace collapsed); None when no group has both kinds.
+
+    The paper's mechanism: an incorrect response that shares its first search, and so the
+    retrieved documents, with a correct one shares a prefix of its context, and pushing the
+    incorrect one down drags the correct one's likelihood with it.
+    """
+    first = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in episodes]
+    pairs = [(i, j) for i in range(len(first)) for j in range(len(first))
+             if group_ids[i] == group_ids[j] and correct[i] and not correct[j]]
+    if not pairs:
+        return None
+    return sum(first[i] is not None and first[i] == first[j] for i, j in pairs) / len(pairs)
+
+
+def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
     """Per-step rollout numbers: reward, searches, valid actions, correct/incorrect likelihood.
 
     lld/logp_correct (incorrect): mean over correct (incorrect) responses of the mean token
@@ -525,6 +541,7 @@ def rollout_stats(ro_out, old_logp, rewards) -> dict:
         "finished": statistics.fmean(float(e["finished"]) for e in eps),
         "lld/logp_correct": mean_or_none(per_response, correct & has_tokens),
         "lld/logp_incorrect": mean_or_none(per_response, ~correct & has_tokens),
+        "lld/shared_first_search": shared_first_search(eps, correct, group_ids),
         # sampling-time vs recomputed log-probs (KV-cache decode vs full forward, bf16 rounding)
         "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),
     }
@@ -846,7 +863,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     t_update = time.perf_counter() - t
     release_memory()
 
-    metrics = {"step": step, "lr": lr, **rollout_stats(out, batch["old_logp"], rewards), "kl": None,
+    metrics = {"step": step, "lr": lr, **rollout_stats(out, batch["old_logp"], rewards, group_ids), "kl": None,
                **stats, "entropy": masked_mean(old_entropy, out.loss_mask).item(),
                "skipped_steps": counters["skipped_steps"], "llds/answer_weight": beta,
                "lld/displacement_correct": None, "lld/frac_correct_fell": None}

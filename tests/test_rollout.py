@@ -227,6 +227,7 @@ def test_batch_episodes_finish_at_different_turns():
     assert [e["reward"] for e in out.episodes] == [1.0, 0.0, 1.0]
     assert [e["f1"] for e in out.episodes] == [1.0, pytest.approx(2 / 3), 1.0]
     assert [(e["n_search"], e["n_valid"]) for e in out.episodes] == [(0, 1), (2, 3), (1, 2)]
+    assert [e["queries"] for e in out.episodes] == [[], ["b1", "b2"], ["c1"]]
 
 
 def test_long_observation_is_cut_before_the_closing_tag():

@@ -320,6 +320,19 @@ def test_flags_presets_and_errors(tmp_path):
         train.setup(tiny_config(tmp_path))
 
 
+def test_shared_first_search_counts_correct_incorrect_pairs_of_a_group():
+    q = lambda *queries: {"queries": list(queries)}                                       # noqa: E731
+    episodes = [q("Talia  Wrenn", "x"), q("talia wrenn"), q("Orvale"), q(),             # group 0
+                q("a"), q("a"),                                                          # group 1
+                q("b"), q("c")]                                                          # group 2
+    correct = torch.tensor([1, 0, 0, 0, 1, 1, 1, 0]).bool()
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    # group 0: pairs (0,1) same, (0,2) differ, (0,3) no search; group 1: no incorrect;
+    # group 2: (6,7) differ -> 1 of 4 pairs
+    assert train.shared_first_search(episodes, correct, groups) == 0.25
+    assert train.shared_first_search(episodes[4:6], correct[4:6], groups[4:6]) is None
+
+
 def test_prompt_sampler_resumes_mid_epoch():
     records = [{"id": str(i)} for i in range(5)]
     a = train.PromptSampler(records, seed=3)

@@ -16,4 +16,14 @@ train: .venv/done
 test: .venv/done
 	$(PY) -m pytest -q tests $(ARGS)
 
-.PHONY: setup train test
+# Plain GRPO vs GRPO + LLDS from the same seed, data and settings, then one overlaid figure.
+# Both arms pass --resume: a killed comparison continues where it stopped, a finished one is redrawn.
+# The setting gives plain GRPO room to displace: 8 updates per rollout batch at lr 5e-5.
+SEED ?= 0
+COMPARE ?= --mini-batch-size 4 --lr 5e-5 --steps 20 --eval-every 5 --eval-size 30 --ckpt-every 1
+compare: .venv/done
+	$(PY) train.py --name compare-grpo-s$(SEED) --seed $(SEED) --no-llds --resume $(COMPARE) $(ARGS)
+	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)
+	$(PY) train.py --plot runs/compare-grpo-s$(SEED) runs/compare-llds-s$(SEED) --plot-out runs/compare-s$(SEED).png
+
+.PHONY: setup train test compare

@@ -87,6 +87,13 @@ def _response_advantage(advantages, valid, n_tok):
     return total / n_tok.clamp(min=1)
 
 
+def preserving_responses(advantages, loss_mask):
+    """(B,) bool: the responses LLDS protects, advantage >= 0 and at least one model token."""
+    valid = loss_mask > 0
+    n_tok = valid.sum(dim=1)
+    return (_response_advantage(advantages, valid, n_tok) >= 0) & (n_tok > 0)
+
+
 def _gate(gate, d, valid, preserving, starts):
     """Which tokens may pay, and how many actions have an open gate (for the stats).
 
@@ -128,19 +135,19 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
         raise ValueError("llds_loss: logp, old_logp and loss_mask must all be (B, T); got "
                          f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(loss_mask.shape)}")
     valid = loss_mask > 0                                        # (B, T) bool
-    # Carries grad; may hold NaN/inf outside the mask, which torch.where below never selects
-    # (and whose backward sends exactly 0 there, so no NaN * 0 in the gradient either).
-    disp = old_logp.detach().float() - logp.float()              # (B, T)
+    # d carries grad; it may hold NaN/inf outside the mask, which torch.where below never
+    # selects (and whose backward sends exactly 0 there, so no NaN * 0 in the gradient either).
+    d = old_logp.detach().float() - logp.float()                 # (B, T)
 
     with torch.no_grad():
-        d = torch.where(valid, disp, 0.0)                        # (B, T) float32, clean
+        d_value = torch.where(valid, d, 0.0)                     # (B, T) float32, clean, no grad
         n_tok = valid.sum(dim=1)                                 # (B,) model tokens
-        preserving = (_response_advantage(advantages, valid, n_tok) >= 0) & (n_tok > 0)
+        preserving = preserving_responses(advantages, loss_mask)
         starts = _run_starts(valid)
-        open_, n_open_actions = _gate(gate, d, valid, preserving, starts)
-        penalised = open_ & (d > 0)                              # (B, T) bool
+        open_, n_open_actions = _gate(gate, d_value, valid, preserving, starts)
+        penalised = open_ & (d_value > 0)                        # (B, T) bool
 
-    hinge = torch.where(penalised, disp, 0.0)                    # (B, T), = max(0, d) if open
+    hinge = torch.where(penalised, d, 0.0)                       # (B, T), = max(0, d) if open
     if answer_mask is not None:
         hinge = hinge * torch.where(answer_mask > 0, float(answer_weight), 1.0)
     if reduction == "token-mean":
@@ -155,7 +162,7 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
         values = torch.stack([
             penalised.sum() / n_pres_tok.clamp(min=1),
             n_open_actions / n_pres_actions.clamp(min=1),
-            (d.sum(dim=1) * preserving).sum() / n_pres_tok.clamp(min=1),
+            (d_value.sum(dim=1) * preserving).sum() / n_pres_tok.clamp(min=1),
             preserving.sum().float(),
         ]).tolist()
     names = ("llds/active_token_frac", "llds/active_action_frac", "llds/displacement",

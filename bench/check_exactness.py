@@ -2,7 +2,7 @@
 monitor agree bit for bit at equal weights? (issue 10, items 1 and 2)
 
 Rolls out a few toy questions with the embedded SmolLM2-135M, then, with the weights unchanged:
-  * old log-probs (train.plan_logprobs, no grad) vs the update's log-probs (train.token_logprobs
+  * old log-probs (train.batch_logprobs, no grad) vs the update's log-probs (train.token_logprobs
     with grad, model.train(), the same micro-batches), with and without gradient checkpointing,
     in bf16 autocast and in fp32: mean and max |old_logp - logp| over model tokens;
   * the displacement monitor (train.displacement) with no update in between: its per-response
@@ -21,6 +21,8 @@ import data  # noqa: E402
 import retriever as retrieval  # noqa: E402
 import rollout as ro  # noqa: E402
 import train  # noqa: E402
+from plumbing import fast_hf  # noqa: E402
+from plumbing.models import load_policy  # noqa: E402
 
 
 def main():
@@ -28,7 +30,7 @@ def main():
     parser.add_argument("--questions", type=int, default=4, help="questions, 2 rollouts each")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer = ro.load_policy()
+    model, tokenizer = load_policy()
     records = data.load_questions("toy_nq", split="train")[:args.questions]
     records = [r for r in records for _ in range(2)]
     search = retrieval.open_retriever("bm25", corpus=str(data.toy_world() / "corpus.jsonl"))
@@ -39,17 +41,17 @@ def main():
         out = ro.rollout(model, tokenizer, records, search, train.rollout_config(cfg))
         batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                  "loss_mask": out.loss_mask, "answer_mask": out.answer_mask}
-        plan = train.update_plan(len(records), cfg)
+        plan = train.minibatches(len(records), cfg)
         for ckpt in (False, True):
             cfg.grad_checkpointing = ckpt
             if ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            old, _ = train.plan_logprobs(model, batch, plan, cfg, cpu)
+            old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
             model.train()
             diffs = []
             for micro in (mu for mb in plan for mu in mb):
-                r = train.rows(batch, micro, cpu)
-                with train.autocast(cpu, cfg.bf16):
+                r = train.micro_batch(batch, micro, cpu)
+                with fast_hf.autocast(cpu, cfg.bf16):
                     logp, _ = train.token_logprobs(model, r["input_ids"], r["attention_mask"], r["loss_mask"],
                                                    cfg.temperature, share_prefix=not cfg.grad_checkpointing)
                 on = r["loss_mask"].bool()
@@ -61,7 +63,7 @@ def main():
             print(f"bf16 autocast {bf16!s:5}  grad checkpointing {ckpt!s:5}: |old_logp - logp| "
                   f"mean {d.mean():.4g}, max {d.max():.4g} nats/token over {d.numel()} model tokens")
         cfg.grad_checkpointing = False
-        old, _ = train.plan_logprobs(model, batch, plan, cfg, cpu)
+        old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
         everyone = torch.arange(len(records))
         sums = displacement_sums(model, batch, plan, everyone, old, cfg)
         print(f"bf16 autocast {bf16!s:5}  displacement with unchanged weights, per response: "
@@ -70,7 +72,7 @@ def main():
 
 def displacement_sums(model, batch, plan, idx, old, cfg):
     """Per-response summed displacement the monitor would see (all responses treated as correct)."""
-    after, _ = train.plan_logprobs(model, batch, plan, cfg, torch.device("cpu"))
+    after, _ = train.batch_logprobs(model, batch, plan, cfg, torch.device("cpu"))
     return train.masked_sum(after[idx] - old[idx], batch["loss_mask"][idx], dim=1)
 
 

@@ -27,52 +27,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
 import retriever as retrieval  # noqa: E402
-import rollout as ro  # noqa: E402
 import train  # noqa: E402
+from plumbing import cache_dir, cli, models, runs  # noqa: E402
 
 # Qwen2.5-3B-Instruct's config.json, the parts that set compute and memory.
 QWEN25_3B = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                  intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True,
                  max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, tie_word_embeddings=False, max_position_embeddings=8192)
-
-
-def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges (256 byte tokens + <eos>), built in code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
-    tokenizer.padding_side = "left"
-    return tokenizer
 
 
 def offline_tokenizer():
     """SmolLM2's tokenizer when rollout.py has converted it into the cache, else byte-level."""
-    folder = ro.cache_dir() / "smollm2-135m-instruct"
+    folder = cache_dir() / "smollm2-135m-instruct"
     if (folder / "tokenizer.json").exists():
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         tokenizer.padding_side = "left"
         return tokenizer
-    return byte_tokenizer()
-
-
-def random_model(shape: dict, vocab_size: int, device: torch.device, seed: int = 0):
-    """A randomly initialised Qwen2 causal LM in fp32 (train.py's master weights), built on `device`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**{"vocab_size": vocab_size, **shape})
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config)
-    return model.eval()
+    return models.byte_tokenizer()
 
 
 def main(argv=None) -> dict:
@@ -86,8 +58,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    tokenizer = byte_tokenizer() if args.tiny else offline_tokenizer()
-    shape = TINY if args.tiny else QWEN25_3B
+    tokenizer = models.byte_tokenizer() if args.tiny else offline_tokenizer()
+    shape = models.TINY_QWEN2 if args.tiny else QWEN25_3B
     vocab = len(tokenizer) if args.tiny else QWEN25_3B["vocab_size"]   # ids < vocab either way
     turn = min(args.turn_tokens, 8) if args.tiny else args.turn_tokens
     batch = args.prompts * args.group_size
@@ -98,18 +70,18 @@ def main(argv=None) -> dict:
         group_size=args.group_size, mini_batch_size=batch // 2, micro_batch_size=args.micro_batch_size,
         lr=1e-6, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, samples_per_step=0,
         rollout_batch_size=batch, grad_checkpointing=device.type == "cuda")
-    train.check_config(cfg)
+    cli.check_config(cfg)
 
     t = time.perf_counter()
-    model = random_model(shape, vocab, device)
+    model = models.random_qwen2(shape, vocab, device)
     if cfg.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref = train.make_reference(model, device, cfg)
+    ref = models.reference_copy(model, bf16_weights=device.type == "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     n_params = sum(p.numel() for p in model.parameters())
     world = data.toy_world()
     retriever = retrieval.open_retriever("bm25", corpus=str(world / "corpus.jsonl"))
-    sampler = train.PromptSampler(data.load_questions("toy", split="train"), seed=0)
+    sampler = runs.PromptSampler(data.load_questions("toy", split="train"), seed=0)
     print(f"{'tiny' if args.tiny else 'Qwen2.5-3B-shaped'} random model, {n_params / 1e9:.2f} B params, "
           f"on {device}; tokenizer vocab {len(tokenizer)}; {args.prompts} prompts x {args.group_size}, "
           f"{cfg.max_turns} search turns + 1 of {turn} tokens, {batch // cfg.mini_batch_size} optimizer "
@@ -117,11 +89,11 @@ def main(argv=None) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    counters, results = {"skipped_steps": 0}, []
+    results = []
     with tempfile.TemporaryDirectory() as run_dir:
         for step in range(1, args.steps + 1):
             m = train.train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever,
-                                 device, counters, Path(run_dir))
+                                 device, Path(run_dir))
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             results.append({**m, "peak_gpu_gb": peak})
             print(f"step {step}: {m['timing/step']:.1f} s = rollout {m['timing/rollout']:.1f} "

@@ -1,15 +1,26 @@
 """Run folders: checkpoints (atomic, resumable), RNG state, the metrics log, sample
 trajectories, the prompt sampler. Nothing here changes what is computed."""
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from plumbing.memory import release_memory
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def json_safe(x):
@@ -27,3 +38,249 @@ def find_checkpoint(run_dir: Path) -> Path | None:
         return run_dir / pointer.read_text().strip()
     done = [p for p in run_dir.glob("ckpt-*") if (p / "state.json").exists()]
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+class PromptSampler:
+    """Endless prompts, reshuffled every epoch from the seed; (epoch, pos) is its whole state."""
+
+    def __init__(self, records: list[dict], seed: int, epoch: int = 0, pos: int = 0):
+        self.records, self.seed, self.epoch, self.pos = records, seed, epoch, pos
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.records)))
+        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            order = self._order()
+            take = order[self.pos:self.pos + n - len(out)]
+            out += [self.records[i] for i in take]
+            self.pos += len(take)
+            if self.pos == len(order):
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+
+class Phases:
+    """Wall time per phase of a step (`with phases("rollout"): ...`, summed per name in
+    `phases.seconds`); after each phase the freed memory goes back to the OS (release_memory)."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, release: bool = True):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if release:
+                release_memory()
+
+
+def log_metrics(run_dir: Path, metrics: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(json_safe(metrics)) + "\n")
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop log lines of steps after `step` (written by a run killed after its checkpoint)."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
+        _write_atomic(path, "".join(l + "\n" for l in lines))
+
+
+def write_samples(path: Path, records: list[dict], episodes: list[dict], n: int) -> None:
+    """A few full trajectories as readable text: half correct (when there are), half not."""
+    correct = [i for i, e in enumerate(episodes) if e["reward"] > 0]
+    wrong = [i for i, e in enumerate(episodes) if e["reward"] <= 0]
+    chosen = correct[:n // 2]
+    chosen += wrong[:n - len(chosen)]
+    chosen += correct[len(correct[:n // 2]):][:n - len(chosen)]
+    blocks = []
+    for i in sorted(chosen):
+        e = episodes[i]
+        blocks.append(f"=== trajectory {i}  reward {e['reward']:.0f}  searches {e['n_search']}  "
+                      f"answer {e['answer']!r}  golds {e['golds']}\nQuestion: {records[i]['question']}\n"
+                      f"{e['text']}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(blocks))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
+    """<run>/ckpt-<step>/: HF model + tokenizer, optimizer, RNG states, state.json (step, data
+    position, counters, monitor history). Written into a temp folder and renamed, then the
+    `latest` pointer is replaced: a kill at any moment leaves the previous checkpoint intact."""
+    final = run_dir / f"ckpt-{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=run_dir))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step}))
+        if final.exists():                            # the same step saved again after a resume
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(run_dir / "latest", final.name)
+    for old in sorted(run_dir.glob("ckpt-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Restore weights, optimizer and RNG states in place; returns state.json."""
+    saved = type(model).from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict(saved.state_dict())
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())
+
+
+def final_report(run_dir: Path, summary: dict) -> str:
+    """Final report: EM before/after, where the time went, peak memory."""
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    steps = [l for l in lines if "reward" in l]
+    parts = ["rollout", "logprob", "update"]
+    total = {p: sum(l[f"timing/{p}"] for l in steps) for p in parts + ["step"]}
+    text = [f"run {run_dir}: {len(steps)} steps logged, curves in {run_dir / 'curves.png'}"]
+    if summary["before"] and summary["after"]:
+        text.append(f"held-out EM: before {summary['before']['eval/em']:.3f} -> after "
+                    f"{summary['after']['eval/em']:.3f}")
+    if total["step"] > 0:
+        text.append("step time: " + ", ".join(f"{p} {total[p] / total['step']:.0%}" for p in parts)
+                    + f" of {total['step'] / len(steps):.1f} s/step")
+    if summary.get("peak_memory_gb"):
+        text.append(f"peak memory {summary['peak_memory_gb']:.2f} GB (allocated on a GPU, process RSS on a CPU)")
+    return "\n".join(text)
+
+
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
+    """Create <out_dir>/<name>; refuse to overwrite a run unless resuming; drop temp folders
+    left by a run killed while checkpointing."""
+    if run_dir.exists() and not resume and any(run_dir.iterdir()):
+        raise ValueError(f"{run_dir} already exists: pass --resume to continue it, or --name for a new run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob(".tmp-ckpt-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return run_dir
+
+
+def resume(run_dir: Path, model, optimizer) -> dict | None:
+    """Load the run's latest checkpoint into model and optimizer (RNG states too) and cut the
+    metrics log back to its step; None (and an empty log) when there is no checkpoint."""
+    ckpt = find_checkpoint(run_dir)
+    if ckpt is None:
+        print(f"--resume: no checkpoint in {run_dir}, starting from step 0")
+        truncate_metrics(run_dir, -1)
+        return None
+    state = load_checkpoint(ckpt, model, optimizer)
+    truncate_metrics(run_dir, state["step"])
+    print(f"resumed from {ckpt} (step {state['step']})")
+    return state
+
+
+def postfix(m: dict) -> dict:
+    """The progress bar's short view of a step's metrics."""
+    def fmt(v):
+        return "-" if v is None else f"{v:.3g}"
+    return {"reward": fmt(m["reward"]), "logp_c": fmt(m["lld/logp_correct"]),
+            "disp_c": fmt(m["lld/displacement_correct"]), "gnorm": fmt(m["grad_norm"]),
+            "llds": fmt(m["llds/loss"]), "ent": fmt(m["entropy"]), "search": fmt(m["searches"])}
+
+
+class SpiralMonitor:
+    """Warns when the death-spiral pattern shows: the log-likelihood of correct responses falls
+    `window` steps in a row (phase II of the paper's figure 2), or the gradient norm jumps above
+    `factor` x its running median (phase III)."""
+
+    def __init__(self, window: int, factor: float, history: dict | None = None):
+        self.window, self.factor = window, factor
+        self.history = history or {"logp_correct": [], "grad_norm": []}
+
+    def check(self, step: int, metrics: dict) -> list[str]:
+        warnings, logp, norms = [], self.history["logp_correct"], self.history["grad_norm"]
+        if metrics.get("lld/logp_correct") is not None:
+            logp.append(metrics["lld/logp_correct"])
+            recent = logp[-(self.window + 1):]
+            if len(recent) == self.window + 1 and all(b < a for a, b in zip(recent, recent[1:])):
+                warnings.append(
+                    f"step {step}: mean log-likelihood of correct responses fell {self.window} steps "
+                    f"in a row ({recent[0]:.3f} -> {recent[-1]:.3f}); lazy likelihood displacement, "
+                    "the first sign of a GRPO collapse (keep LLDS on, or raise --llds-lambda)")
+        norm = metrics.get("grad_norm_max")
+        if norm is not None:
+            if not math.isfinite(norm):
+                warnings.append(f"step {step}: gradient norm {norm}; the update was skipped (skipped_steps)")
+            elif len(norms) >= 5 and norm > self.factor * statistics.median(norms[-50:]):
+                warnings.append(
+                    f"step {step}: gradient norm {norm:.3g} is above {self.factor:g} x its running median "
+                    f"{statistics.median(norms[-50:]):.3g}; with rising entropy this is the collapse phase")
+            if math.isfinite(norm):
+                norms.append(norm)
+        return warnings
+
+
+def describe(cfg, device, n_eval: int, bf16: bool) -> str:
+    """The one-line summary of a run's setting printed at its start."""
+    llds = f"lambda {cfg.llds_lambda:g}, {cfg.llds_gate} gate" if cfg.llds and cfg.llds_lambda else "off"
+    return (f"device {device}, bf16 autocast {bf16}; "
+            f"{cfg.prompts_per_step} prompts x {cfg.group_size} rollouts, "
+            f"{cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size} optimizer steps per step; "
+            f"LLDS {llds}; eval: {n_eval} held-out questions, greedy, {cfg.eval_max_turns} "
+            f"search turns, retriever {cfg.retriever} top-{cfg.topk}")
+
+
+def update_stats(logged: list[tuple], norms: list[float]) -> dict:
+    """Token-weighted means over the step's micro-batches (LLDS seq-mean: by preserving
+    responses), the mean finite gradient norm, and a max in which a non-finite norm wins
+    (max([1.0, nan]) is 1.0 in Python): the monitor must see it."""
+    sums, weights = {}, {}
+    for token_share, llds_share, pg, pg_stats, kl, llds_value, llds_stats in logged:
+        values = {"pg_loss": (pg, token_share), "clip_ratio": (pg_stats["clip_ratio"], token_share),
+                  "ppo_kl": (pg_stats["approx_kl"], token_share), "llds/loss": (llds_value, llds_share),
+                  "llds/active_token_frac": (llds_stats["llds/active_token_frac"], token_share),
+                  "llds/active_action_frac": (llds_stats["llds/active_action_frac"], token_share)}
+        if kl is not None:
+            values["kl"] = (kl, token_share)
+        for name, (value, w) in values.items():
+            sums[name] = sums.get(name, 0.0) + value * w
+            weights[name] = weights.get(name, 0.0) + w
+    finite = [x for x in norms if math.isfinite(x)]
+    return {"kl": None, **{k: sums[k] / weights[k] for k in sums if weights[k] > 0},
+            "grad_norm": statistics.fmean(finite) if finite else float("nan"),
+            "grad_norm_max": max(norms, key=lambda x: x if math.isfinite(x) else math.inf),
+            "grad_norm_nonfinite": len(norms) - len(finite)}

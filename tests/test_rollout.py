@@ -10,6 +10,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import rollout as ro
+from plumbing.models import load_policy
 
 # ----------------------------------------------------------------------------------------------
 # Fixtures: char tokenizer, scripted policy, fake retriever
@@ -357,7 +358,7 @@ def test_extract_answer():
 
 @pytest.mark.slow
 def test_smollm2_two_episode_rollout():
-    model, tokenizer = ro.load_policy()
+    model, tokenizer = load_policy()
     assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
     assert tokenizer.eos_token == "<|im_end|>"
     records = [{"id": "a", "question": "In which city was Doravin Kelso born?", "golds": ["Mirefield"],

@@ -10,7 +10,9 @@ import torch
 
 import rollout as ro
 import train
+from plumbing import cli, fast_hf, models, runs
 from bench import gpu_check
+from conftest import tiny_policy
 
 # Every key the LLD monitor promises in metrics.jsonl (issue 5).
 KEYS = ["reward", "em", "response_length", "searches", "valid_action_ratio", "entropy", "kl",
@@ -27,11 +29,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_policy(seed=0, **shape):
-    tokenizer = gpu_check.byte_tokenizer()
-    return gpu_check.random_model({**gpu_check.TINY, **shape}, len(tokenizer), torch.device("cpu"), seed), tokenizer
 
 
 def tiny_config(tmp_path, **overrides):
@@ -119,26 +116,16 @@ class GradRecorder(torch.optim.SGD):
                                        if p.grad is not None])
 
 
-def test_micro_batches_accumulate_to_the_mini_batch_token_mean(tmp_path):
+def test_micro_batches_accumulate_to_the_mini_batch_token_mean(tmp_path, alternating_rewards, monkeypatch):
     # One mini-batch of 4 trajectories with different numbers of model tokens: the gradient with
-    # micro-batches of 1 must equal the gradient of one micro-batch of 4 (token-mean over all).
-    torch.manual_seed(1)
-    n, t = 4, 12
-    loss_mask = torch.zeros(n, t)
-    for i, (a, b) in enumerate([(3, 5), (4, 12), (6, 8), (2, 11)]):
-        loss_mask[i, a:b] = 1
-    loss_mask[1, 7] = 0                                  # an observation splits row 1 in two actions
-    batch = {"input_ids": torch.randint(0, 200, (n, t)), "attention_mask": torch.ones(n, t, dtype=torch.long),
-             "loss_mask": loss_mask, "answer_mask": torch.zeros(n, t),
-             "advantages": torch.tensor([1.0, -1.0, 0.0, 0.5])}
+    # micro-batches of 1 must equal the gradient of one micro-batch of 4 (token-mean over all),
+    # entropy bonus and KL included.
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kwargs: GradRecorder(params))
     grads = []
     for micro in (4, 1):
-        model, _ = tiny_policy()
-        cfg = tiny_config(tmp_path, mini_batch_size=4, micro_batch_size=micro, entropy_coef=0.01)
-        plan = [[torch.arange(n)[i:i + micro] for i in range(0, n, micro)]]
-        batch["old_logp"] = train.plan_logprobs(model, batch, plan, cfg, torch.device("cpu"))[0] - 0.1
-        train.update(model, GradRecorder(model.parameters()), batch, plan, cfg, 1.0, torch.device("cpu"),
-                     {"skipped_steps": 0})
+        model, tokenizer = tiny_policy()
+        train.train(tiny_config(tmp_path, name=f"micro{micro}", steps=1, eval_size=0, mini_batch_size=4,
+                                micro_batch_size=micro, entropy_coef=0.01, kl_coef=0.1), model, tokenizer)
         grads.append(GradRecorder.seen)
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
@@ -150,15 +137,21 @@ def test_token_logprobs_match_a_full_forward():
     attention = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
     mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0, 1], [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.float32)
     with torch.no_grad():
-        logp, ent = train.token_logprobs(model, ids, attention, mask, chunk=3)
+        logp, ent = train.token_logprobs(model, ids, attention, mask)
         logits = model(input_ids=ids, attention_mask=attention).logits.float()
     # Position t scores token t from the logits at t - 1.
     full = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    full_ent = train.entropy_from_logits(logits[:, :-1])
+    full_ent = fast_hf.entropy_from_logits(logits[:, :-1])
     on = mask[:, 1:].bool()
     assert torch.allclose(logp[:, 1:][on], full[on], atol=1e-5)
     assert torch.allclose(ent[:, 1:][on], full_ent[on], atol=1e-5)
     assert torch.all(logp[mask == 0] == 0) and torch.all(ent[mask == 0] == 0)
+    # the LM head in chunks (here of 3 positions) gives the same numbers as in one piece
+    h, targets = torch.randn(7, model.config.hidden_size), torch.randint(0, 250, (7,))
+    with torch.no_grad():
+        for chunked, whole in zip(fast_hf.head_logprobs(model.lm_head, h, targets, 0.7, chunk=3),
+                                  fast_hf.head_logprobs(model.lm_head, h, targets, 0.7)):
+            assert torch.allclose(chunked, whole, atol=1e-6)
 
 
 def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
@@ -168,7 +161,7 @@ def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
     ids[2, 20] = ids[0, 20]                           # rows 0 and 2 share one token more: still p = 20
     attention = torch.ones_like(ids)
     attention[1, -4:] = 0                             # right padding
-    assert train.shared_prefix_len(ids, attention) == 20
+    assert fast_hf.shared_prefix_len(ids, attention) == 20
 
     def run(fn):
         model.zero_grad()
@@ -177,7 +170,7 @@ def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
         return hidden.detach(), [p.grad.clone() for p in model.base_model.parameters()]
 
     plain, plain_grads = run(lambda: model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state)
-    shared, shared_grads = run(lambda: train.hidden_states(model, ids, attention))
+    shared, shared_grads = run(lambda: fast_hf.hidden_states(model, ids, attention))
     on = attention.bool()
     assert torch.allclose(shared[on], plain[on], atol=1e-5)
     for g, h in zip(shared_grads, plain_grads):
@@ -236,7 +229,7 @@ def test_a_non_finite_norm_in_a_later_mini_batch_reaches_the_log_and_the_monitor
     assert line["skipped_steps"] == 1 and line["grad_norm_nonfinite"] == 1
     assert line["grad_norm"] > 0 and line["grad_norm_max"] is None   # NaN, logged as null
     assert line["lld/warning"] == 1
-    warnings = train.SpiralMonitor(window=3, factor=10.0).check(1, {"grad_norm_max": math.nan})
+    warnings = runs.SpiralMonitor(window=3, factor=10.0).check(1, {"grad_norm_max": math.nan})
     assert len(warnings) == 1 and "nan" in warnings[0]
 
 
@@ -265,10 +258,9 @@ def test_equal_weights_give_equal_logprobs_on_every_path(tmp_path, alternating_r
     assert line["lld/displacement_correct"] == 0 and line["lld/frac_correct_fell"] == 0
 
 
-def test_reference_keeps_its_buffers_in_fp32(tmp_path, monkeypatch):
+def test_reference_keeps_its_buffers_in_fp32():
     model, _ = tiny_policy()
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *args, **kwargs: self)   # no GPU here
-    ref = train.make_reference(model, torch.device("cuda"), tiny_config(tmp_path, kl_coef=0.1, bf16=True))
+    ref = models.reference_copy(model, bf16_weights=True)   # as setup() makes it on CUDA
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
     buffers = dict(ref.named_buffers())
     assert buffers and {b.dtype for b in buffers.values()} == {torch.float32}
@@ -296,7 +288,7 @@ def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     # A SIGKILL leaves its temp folder behind: it must be ignored, then cleaned by the resume.
     (run / ".tmp-ckpt-dead").mkdir()
     (run / ".tmp-ckpt-dead" / "config.json").write_text("{")
-    assert train.find_checkpoint(run) == run / "ckpt-1"
+    assert runs.find_checkpoint(run) == run / "ckpt-1"
     model, tokenizer = tiny_policy()
     train.train(dataclasses.replace(cfg, resume=True), model, tokenizer)
     assert [l["step"] for l in step_lines(run)] == [1, 2]
@@ -304,16 +296,17 @@ def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
 
 
 def test_flags_presets_and_errors(tmp_path):
-    cfg, plot = train.parse_args(["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
+    cfg, plot, _ = train.parse_args(["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
     assert (cfg.lr, cfg.llds, cfg.prompts_per_step, cfg.mini_batch_size, cfg.kl_coef) == (3e-6, False, 512, 256, 0.001)
     assert cfg.answer_weight == "adaptive" and plot is None
-    assert train.parse_args([]) == (train.Config(), None)
-    helps = train._field_help()
+    assert train.parse_args([]) == (train.Config(), None, None)
+    assert train.parse_args(["--plot", "a", "b", "--plot-out", "c.png"])[1:] == (["a", "b"], "c.png")
+    helps = cli.field_help(train.Config)
     assert set(helps) == {f.name for f in dataclasses.fields(train.Config)}
     with pytest.raises(ValueError, match="mini-batch-size 5 must divide"):
-        train.check_config(train.Config(mini_batch_size=5))
+        cli.check_config(train.Config(mini_batch_size=5))
     with pytest.raises(ValueError, match="answer-weight"):
-        train.check_config(train.Config(answer_weight="half"))
+        cli.check_config(train.Config(answer_weight="half"))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="--resume"):
@@ -335,15 +328,15 @@ def test_shared_first_search_counts_correct_incorrect_pairs_of_a_group():
 
 def test_prompt_sampler_resumes_mid_epoch():
     records = [{"id": str(i)} for i in range(5)]
-    a = train.PromptSampler(records, seed=3)
+    a = runs.PromptSampler(records, seed=3)
     first = [r["id"] for r in a.next(4)]
-    b = train.PromptSampler(records, seed=3, **a.state())
+    b = runs.PromptSampler(records, seed=3, **a.state())
     assert [r["id"] for r in a.next(4)] == [r["id"] for r in b.next(4)]
-    assert sorted(first + [r["id"] for r in train.PromptSampler(records, 3, 0, 4).next(1)]) == list("01234")
+    assert sorted(first + [r["id"] for r in runs.PromptSampler(records, 3, 0, 4).next(1)]) == list("01234")
 
 
 def test_spiral_monitor_names_the_evidence():
-    monitor = train.SpiralMonitor(window=3, factor=10.0)
+    monitor = runs.SpiralMonitor(window=3, factor=10.0)
     for step, logp in enumerate([-1.0, -1.1, -1.2, -1.3], 1):
         warnings = monitor.check(step, {"lld/logp_correct": logp, "grad_norm_max": 1.0})
     assert len(warnings) == 1 and "fell 3 steps in a row (-1.000 -> -1.300)" in warnings[0]
@@ -354,7 +347,7 @@ def test_spiral_monitor_names_the_evidence():
 
 def test_gpu_check_runs_tiny_on_cpu(capsys):
     out = gpu_check.main(["--tiny", "--steps", "1", "--prompts", "2", "--group-size", "2", "--micro-batch-size", "2"])
-    assert len(out["steps"]) == 1 and out["steps"][0]["skipped_steps"] == 0
+    assert len(out["steps"]) == 1 and out["steps"][0]["grad_norm_nonfinite"] == 0
     assert "rollout" in capsys.readouterr().out
 
 
@@ -363,7 +356,7 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     # The real model in bf16 autocast: regrouping the correct rows into new micro-batches (new
     # padding, new prefix sharing) moved per-response sums by up to 0.32 nats with the weights
     # unchanged. Recomputed in the old pass's own micro-batches, every sum is exactly 0.
-    model, tokenizer = ro.load_policy()
+    model, tokenizer = models.load_policy()
     prompt = ro.build_prompt("Where was Doravin Kelso born?", tokenizer)
     tails = ["<search> Doravin Kelso </search>", "Doravin Kelso was born in Mirefield. <answer> Mirefield </answer>",
              "<answer> 1961 </answer>", "<search> Kelso birthplace city </search> and more words here"]
@@ -376,10 +369,10 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     batch["answer_mask"] = torch.zeros(batch["loss_mask"].shape)
     cfg, cpu = train.Config(bf16=True, micro_batch_size=2), torch.device("cpu")
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
-    old, _ = train.plan_logprobs(model, batch, plan, cfg, cpu)
+    old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
     correct = torch.tensor([True, False, True, False])
     assert train.displacement(model, batch, plan, correct, old, cfg, cpu) == {
         "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0}
     # the same rows regrouped (what the monitor did before) are not bit-identical
-    regrouped, _ = train.plan_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
+    regrouped, _ = train.batch_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
     assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0

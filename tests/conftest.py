@@ -1,0 +1,9 @@
+"""Shared test fixtures: tiny random models and tokenizers built in code (no downloads)."""
+import torch
+
+from plumbing import models
+
+def tiny_policy(seed=0, **shape):
+    """(random tiny Qwen2, byte-level tokenizer); `shape` overrides TINY_QWEN2's sizes."""
+    tokenizer = models.byte_tokenizer()
+    return models.random_qwen2({**models.TINY_QWEN2, **shape}, len(tokenizer), torch.device("cpu"), seed), tokenizer

@@ -29,7 +29,6 @@ lm_head(hidden) on model tokens only (fine for Llama / Qwen / SmolLM; models wit
 soft-capping or scaling would need that added). Checkpoints, logs, plots, memory and HF speed-ups
 live in plumbing/, one call each.
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -47,7 +46,7 @@ import rollout
 from eval import evaluate
 from llds import action_ids, llds_loss, preserving_responses
 from plumbing import fast_hf, runs
-from plumbing.cli import add_config_flags, check_config
+from plumbing.cli import check_config, parse_train_args
 from plumbing.models import load_policy, reference_copy
 from plumbing.memory import limit_heap_fragmentation, peak_memory_gb, release_memory
 from plumbing.plots import plot_runs
@@ -122,34 +121,15 @@ PRESETS = {
 }
 
 
-def parse_args(argv=None) -> tuple[Config, list[str] | None, str | None]:
-    """Flags -> (Config, run folders to plot or None, plot output path). Explicit flags override the preset."""
-    parser = argparse.ArgumentParser(
-        description="GRPO + LLDS training of a Search-R1 agent. Defaults: the CPU demo "
-                    "(SmolLM2-135M, toy world, BM25). --preset paper: the paper's settings.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="start from a named preset")
-    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR",
-                        help="draw the curves of one run (RUN_DIR/curves.png) or of several overlaid, and exit")
-    parser.add_argument("--plot-out", metavar="PNG", help="where --plot writes several runs (default: compare.png beside the first)")
-    add_config_flags(parser, Config)
-    args = vars(parser.parse_args(argv))
-    preset, plot, plot_out = args.pop("preset", None), args.pop("plot", None), args.pop("plot_out", None)
-    return Config(**{**PRESETS.get(preset, {}), **args}), plot, plot_out
-
-
 # ---- GRPO objective ------------------------------------------------------------------------
 
 def group_advantages(rewards, group_ids):
     """GRPO advantages: (r - mean_group) / (std_group + 1e-6), unbiased std.
 
-    rewards (N,) float; group_ids (N,) long tensor or a list of hashable ids (e.g. "nq:12"),
-    in any order (samples of one group need not be adjacent) -> (N,) float.
-
-    A group whose rewards are all equal gets exactly 0 (no learning signal, and no 1e-6-scaled
-    rounding noise). A group of ONE sample also gets 0: its unbiased std is 0/0 (undefined)
-    and there is nothing to compare the sample with, so it should neither be reinforced nor
-    punished. (veRL instead returns the raw reward for such a group; that is how a group-id bug
-    in Search-R1 silently turned GRPO into plain REINFORCE. Make group ids unique per prompt.)
+    rewards (N,) float; group_ids (N,) long tensor or hashable ids, in any order -> (N,) float.
+    A group whose rewards are all equal gets exactly 0 (no signal, no 1e-6-scaled noise), and so
+    does a group of ONE sample (std 0/0: nothing to compare with). veRL returns the raw reward
+    there, which is how a group-id bug in Search-R1 silently turned GRPO into REINFORCE.
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if not torch.is_tensor(group_ids):
@@ -174,10 +154,8 @@ def group_advantages(rewards, group_ids):
 
 
 def masked_sum(x, mask, dim=None):
-    """Sum of x where mask != 0; NaN/inf where mask == 0 reach neither the value nor the grad.
-
-    x, mask: same shape (mask bool or 0/1 float) -> scalar, or reduced over `dim`.
-    """
+    """Sum of x where mask != 0 (same shape, bool or 0/1) -> scalar, or reduced over `dim`.
+    NaN/inf where mask == 0 reach neither the value nor the grad."""
     picked = torch.where(mask.bool(), x, 0.0)
     return picked.sum() if dim is None else picked.sum(dim=dim)
 
@@ -221,12 +199,9 @@ def policy_loss(logp, old_logp, advantages, loss_mask, clip=0.2, agg="token-mean
 
 
 def kl_k3(logp, ref_logp):
-    """k3 ("low_var_kl") estimate of KL(pi || pi_ref) per token, clamped to [-10, 10].
-
-    u = ref_logp - logp; kl = exp(u) - u - 1 (>= 0, unbiased, low variance). (B, T) -> (B, T).
-    u is first clamped to [-20, 20]: the result there is clamped to 10 anyway, and this keeps
-    exp() and inf - inf from producing inf/NaN.
-    """
+    """k3 ("low_var_kl") estimate of KL(pi || pi_ref) per token, (B, T) -> (B, T), clamped to
+    [-10, 10]: u = ref_logp - logp; kl = exp(u) - u - 1 (>= 0, unbiased, low variance). u is
+    clamped to [-20, 20] first, which changes no clamped result and keeps exp() finite."""
     u = torch.clamp(ref_logp - logp, -20.0, 20.0)
     return torch.clamp(torch.exp(u) - u - 1.0, -10.0, 10.0)
 
@@ -261,22 +236,17 @@ def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
 
 
 def minibatches(n: int, cfg: Config) -> list[list[torch.Tensor]]:
-    """Shuffle n trajectories into mini-batches, each a list of micro-batch index tensors.
-
-    Drawn from the torch RNG before the old log-probs are computed, and reused for them: every
-    forward of the first mini-batch then sees exactly the rows and shapes the old pass saw, so
-    ratio == 1 and the LLDS displacement == 0 there bit for bit, not up to rounding noise.
-    """
+    """Shuffle n trajectories into mini-batches, each a list of micro-batch index tensors. The
+    old-log-prob pass runs the same micro-batches, so in the first mini-batch the update sees
+    exactly the rows and shapes the old pass saw: ratio == 1 there bit for bit."""
     perm = torch.randperm(n)
     return [list(mb.split(cfg.micro_batch_size)) for mb in perm.split(cfg.mini_batch_size)]
 
 
 @torch.no_grad()
 def batch_logprobs(model, batch, plan, cfg, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of all trajectories, micro-batch by micro-batch as in `plan`.
-
-    -> (logp, entropy): (N, T) float32 on the CPU, aligned with batch["input_ids"].
-    """
+    """Log-probs and entropy of all trajectories, micro-batch by micro-batch as in `plan`
+    -> (logp, entropy): (N, T) float32 on the CPU, aligned with batch["input_ids"]."""
     n, t = batch["input_ids"].shape
     logp, ent = torch.zeros(n, t), torch.zeros(n, t)
     for micro in (mu for mb in plan for mu in mb):
@@ -387,12 +357,9 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
 
 def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: torch.Tensor) -> float | None:
     """Fraction of (correct, incorrect) response pairs of one group whose first search query is
-    the same (lower-cased, whitespace collapsed); None when no group has both kinds.
-
-    The paper's mechanism: an incorrect response that shares its first search, and so the
-    retrieved documents, with a correct one shares a prefix of its context, and pushing the
-    incorrect one down drags the correct one's likelihood with it.
-    """
+    the same (lower-cased, whitespace collapsed); None when no group has both kinds. The paper's
+    mechanism: such pairs share a context prefix, and pushing the incorrect one down drags the
+    correct one's likelihood with it."""
     first = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in episodes]
     pairs = [(i, j) for i in range(len(first)) for j in range(len(first))
              if group_ids[i] == group_ids[j] and correct[i] and not correct[j]]
@@ -402,11 +369,8 @@ def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: 
 
 
 def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
-    """Per-step rollout numbers: reward, searches, valid actions, correct/incorrect likelihood.
-
-    lld/logp_correct (incorrect): mean over correct (incorrect) responses of the mean token
-    log-likelihood of the response's model tokens under the rollout policy.
-    """
+    """Per-step rollout numbers. lld/logp_correct (incorrect): mean over correct (incorrect)
+    responses of their mean token log-likelihood under the rollout policy."""
     eps, mask = ro_out.episodes, ro_out.loss_mask
     n_actions = action_ids(mask).amax(dim=1)                        # (N,) model turns
     per_response = masked_mean(old_logp, mask, dim=1)               # (N,)
@@ -434,14 +398,10 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
 
 @torch.no_grad()
 def displacement(model, batch, plan, correct, old_logp, cfg, device) -> dict:
-    """Likelihood displacement of the correct responses caused by this step's updates: summed
-    log-prob after minus before (the rollout policy), one extra no-grad forward.
-
-    "After" is recomputed in the very micro-batches of `plan` that computed `old_logp` (same
-    rows, same padding, same path), so with unchanged weights every sum is exactly 0; regrouping
-    the rows changes prefix and padding, which in bf16 alone moved sums by up to 0.32 nats.
-    correct (N,) bool.
-    """
+    """Likelihood displacement of the correct responses (correct: (N,) bool) caused by this
+    step's updates: summed log-prob after minus before, one extra no-grad forward. "After" runs
+    the very micro-batches of `plan` that computed `old_logp`, so unchanged weights give exactly
+    0 (regrouped rows moved sums by up to 0.32 nats in bf16)."""
     micros = [mu for mb in plan for mu in mb if correct[mu].any()]
     if not micros:
         return {"lld/displacement_correct": None, "lld/frac_correct_fell": None}
@@ -568,7 +528,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
 
 
 def main(argv=None) -> None:
-    cfg, plot, plot_out = parse_args(argv)
+    cfg, plot, plot_out = parse_train_args(Config, PRESETS, argv)
     if plot:
         print(plot_runs(plot, plot_out))
         return

@@ -30,6 +30,23 @@ def add_config_flags(parser: argparse.ArgumentParser, config_class) -> None:
                                 help=text)
 
 
+def parse_train_args(config_class, presets: dict, argv=None):
+    """train.py's flags -> (config, run folders to plot or None, plot output path or None).
+    Explicit flags override the preset."""
+    parser = argparse.ArgumentParser(
+        description="GRPO + LLDS training of a Search-R1 agent. Defaults: the CPU demo "
+                    "(SmolLM2-135M, toy world, BM25). --preset paper: the paper's settings.")
+    parser.add_argument("--preset", choices=sorted(presets), help="start from a named preset")
+    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR",
+                        help="draw the curves of one run (RUN_DIR/curves.png) or of several overlaid, and exit")
+    parser.add_argument("--plot-out", metavar="PNG",
+                        help="where --plot draws several runs (default: compare.png beside the first)")
+    add_config_flags(parser, config_class)
+    args = vars(parser.parse_args(argv))
+    preset, plot, plot_out = args.pop("preset", None), args.pop("plot", None), args.pop("plot_out", None)
+    return config_class(**{**presets.get(preset, {}), **args}), plot, plot_out
+
+
 def check_config(cfg) -> None:
     """Catch inconsistent train.py settings before any model is loaded (ValueError with what to change)."""
     batch = cfg.prompts_per_step * cfg.group_size

@@ -296,11 +296,11 @@ def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
 
 
 def test_flags_presets_and_errors(tmp_path):
-    cfg, plot, _ = train.parse_args(["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
+    cfg, plot, _ = cli.parse_train_args(train.Config, train.PRESETS, ["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
     assert (cfg.lr, cfg.llds, cfg.prompts_per_step, cfg.mini_batch_size, cfg.kl_coef) == (3e-6, False, 512, 256, 0.001)
     assert cfg.answer_weight == "adaptive" and plot is None
-    assert train.parse_args([]) == (train.Config(), None, None)
-    assert train.parse_args(["--plot", "a", "b", "--plot-out", "c.png"])[1:] == (["a", "b"], "c.png")
+    assert cli.parse_train_args(train.Config, train.PRESETS, []) == (train.Config(), None, None)
+    assert cli.parse_train_args(train.Config, train.PRESETS, ["--plot", "a", "b", "--plot-out", "c.png"])[1:] == (["a", "b"], "c.png")
     helps = cli.field_help(train.Config)
     assert set(helps) == {f.name for f in dataclasses.fields(train.Config)}
     with pytest.raises(ValueError, match="mini-batch-size 5 must divide"):

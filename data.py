@@ -20,6 +20,7 @@ dump. None of that fits an offline CPU demo, so this file also offers a syntheti
 * **Loaders** (`load_questions`): FlashRAG JSONL, Search-R1 parquet (needs pyarrow), our own
   JSONL, or a `<root>/<dataset>/<split>.jsonl` folder. All give the same Record:
   `{"id", "question", "golds", "data_source"}` (+ optional keys such as `support`).
+  `load_question_sets` reads several sources and keeps the first N of every data_source.
 """
 from __future__ import annotations
 
@@ -191,6 +192,18 @@ def load_questions(source: str, limit: int | None = None, split: str = "train") 
         raise ValueError(f"{path}: no {split}.jsonl here nor in <dataset>/{split}.jsonl subfolders")
     raise ValueError(f"{source}: no such file or folder (expected 'toy' or {', '.join(TOY_SOURCES)}, "
                      "a .jsonl or .parquet file, or a folder laid out <root>/<dataset>/<split>.jsonl)")
+
+
+def load_question_sets(sources: list[str], split: str, limit: int | None) -> list[Record]:
+    """Records of every source (as load_questions reads them), the first `limit` of every
+    data_source: one file may mix sources, and each still counts on its own."""
+    records = [r for source in sources for r in load_questions(source, split=split)]
+    seen, kept = collections.Counter(), []
+    for r in records:
+        if limit is None or seen[r["data_source"]] < limit:
+            seen[r["data_source"]] += 1
+            kept.append(r)
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------

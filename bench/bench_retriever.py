@@ -24,6 +24,7 @@ import numpy as np
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plumbing  # noqa: E402
 import retriever as R  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +148,7 @@ def main():
     p.add_argument("--queries", type=int, default=1024, help="queries for the throughput test")
     p.add_argument("--requests-per-client", type=int, default=50, help="server test: requests per client")
     p.add_argument("--skip-dense", action="store_true", help="BM25 only")
-    p.add_argument("--out", default=str(R.cache_dir() / "bench_retriever"), help="work directory")
+    p.add_argument("--out", default=str(plumbing.cache_dir() / "bench_retriever"), help="work directory")
     args = p.parse_args()
     out = Path(args.out)
     print(f"cpu cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f} (other processes share the cores)")

@@ -1,5 +1,5 @@
-"""Tests for data.py: the toy world (determinism, disjoint splits, answers in the passages,
-oracle EM 1.0, no-search baselines at chance) and the question loaders."""
+"""Tests for data.py and its generator plumbing/toy_world.py: the toy world (determinism, disjoint
+splits, answers in the passages, oracle EM 1.0, no-search baselines at chance) and the question loaders."""
 import hashlib
 import json
 import os
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import data
+from plumbing import toy_world
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl", "meta.json")
@@ -21,7 +22,7 @@ FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl", "meta.json")
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy")
-    data.build_toy_world(0, out)
+    toy_world.build_toy_world(0, out)
     return out
 
 
@@ -29,7 +30,7 @@ def world(tmp_path_factory):
 def build_seconds(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy_timed")
     start = time.perf_counter()
-    data.build_toy_world(0, out)
+    toy_world.build_toy_world(0, out)
     return time.perf_counter() - start
 
 
@@ -56,7 +57,7 @@ def test_generation_is_fast_and_sized(world, build_seconds):
 
 def test_same_seed_gives_byte_identical_files_in_another_process(world, tmp_path):
     # A different hash seed in a fresh interpreter catches any dependence on set/dict ordering.
-    code = f"import data; data.build_toy_world(0, {str(tmp_path)!r})"
+    code = f"from plumbing.toy_world import build_toy_world; build_toy_world(0, {str(tmp_path)!r})"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
     for name in FILES:
@@ -64,7 +65,7 @@ def test_same_seed_gives_byte_identical_files_in_another_process(world, tmp_path
 
 
 def test_other_seed_gives_other_world(world, tmp_path):
-    data.build_toy_world(1, tmp_path)
+    toy_world.build_toy_world(1, tmp_path)
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
     assert digest(tmp_path / "corpus.jsonl") != digest(world / "corpus.jsonl")
 
@@ -76,7 +77,7 @@ def test_splits_are_disjoint_by_entity(world):
         names = set()
         for r in _jsonl(world / f"{split}.jsonl"):
             names |= {corpus[i].split("\n")[0].strip('"') for i in r["support"]}  # every hop's entity
-            for pattern, _, _ in data._QUESTION_REGEXES:
+            for pattern, _, _ in toy_world._QUESTION_REGEXES:
                 m = pattern.fullmatch(r["question"])
                 if m:
                     names |= {v for v in m.groupdict().values() if v}
@@ -112,7 +113,7 @@ def test_aliases_years_and_surnames(world):
 
 def test_oracle_answers_everything_from_support_passages(world):
     for split in ("train", "test"):
-        scores = data.check_oracle(world, split)
+        scores = toy_world.check_oracle(world, split)
         assert scores == {k: 1.0 for k in scores}, (split, scores)
 
 
@@ -121,18 +122,19 @@ def test_oracle_reader_by_hand():
                 'Her sister Orlen Vesterby is a chef. She works for Dravex Mining.',
                 '"Dravex Mining"\nFounded in 1990 by Tama Kell, Dravex Mining is a mining business. '
                 'It opened an office in Velmora in 1995. Its headquarters are in Brusmere.']
-    facts = data.read_facts(passages)
+    facts = toy_world.read_facts(passages)
     assert facts["Orlan Vesterby"] == {"birth_year": "1962", "birth_city": "Kelford", "employer": "Dravex Mining"}
     assert facts["Dravex Mining"] == {"founded": "1990", "founder": "Tama Kell", "hq": "Brusmere"}
     assert "Orlen Vesterby" not in facts  # the sibling sentence is about someone else
-    assert data.oracle_answer("In what year was the company that Orlan Vesterby works for founded?", passages) == "1990"
-    assert data.oracle_answer("Where was Orlan Vesterby born?", passages) == "Kelford"
-    assert data.oracle_answer("Where was Orlan Vesterby born?", passages[1:]) is None  # needs its passage
-    assert data.oracle_answer("In which country was Orlan Vesterby born?", passages) is None  # 2nd hop missing
+    question = "In what year was the company that Orlan Vesterby works for founded?"
+    assert toy_world.oracle_answer(question, passages) == "1990"
+    assert toy_world.oracle_answer("Where was Orlan Vesterby born?", passages) == "Kelford"
+    assert toy_world.oracle_answer("Where was Orlan Vesterby born?", passages[1:]) is None  # needs its passage
+    assert toy_world.oracle_answer("In which country was Orlan Vesterby born?", passages) is None  # 2nd hop missing
 
 
 def test_no_search_baselines_stay_at_chance(world):
-    priors = data.check_priors(world)
+    priors = toy_world.check_priors(world)
     assert priors["train_prior"]["all"] < 0.02  # test entities never occur in train answers
     assert priors["best_fixed"]["toy_nq"] < 0.2  # even a per-template guess fitted on test itself
     assert 0.35 < priors["first_mentioned"]["toy_hotpot_comparison"] < 0.65  # A/B order is balanced

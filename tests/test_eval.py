@@ -81,7 +81,7 @@ class FixedRetriever:
 
 
 # ----------------------------------------------------------------------------------------------
-# summarize(): hand-worked per-source scores and macro averages
+# scores_by_source(): hand-worked per-source scores and macro averages
 # ----------------------------------------------------------------------------------------------
 
 def test_source_groups():
@@ -91,13 +91,13 @@ def test_source_groups():
     assert ev.source_group("mysource") is None
 
 
-def test_summarize_hand_worked():
+def test_scores_by_source_hand_worked():
     def ex(source, em, f1, n):
         return {"data_source": source, "em": em, "f1": f1, "n_search": n}
     per_example = [ex("toy_nq", 1, 1.0, 1), ex("toy_nq", 0, 0.5, 2), ex("toy_nq", 1, 1.0, 1), ex("toy_nq", 1, 1.0, 0),
                    ex("toy_hotpot_bridge", 0, 0.5, 2), ex("toy_hotpot_bridge", 1, 1.0, 2),
                    ex("toy_hotpot_comparison", 1, 1.0, 3), ex("other", 0, 0.0, 0)]
-    s = ev.summarize(per_example)
+    s = ev.scores_by_source(per_example)
     assert s["sources"]["toy_nq"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0}
     assert s["sources"]["toy_hotpot_bridge"] == {"n": 2, "em": 0.5, "f1": 0.75, "searches": 2.0}
     assert s["general"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0}
@@ -108,8 +108,8 @@ def test_summarize_hand_worked():
     assert "avg multihop (macro)" in table and "toy_hotpot_comparison" in table
 
 
-def test_summarize_empty_group_is_nan(tmp_path):
-    s = ev.summarize([{"data_source": "nq", "em": 1.0, "f1": 1.0, "n_search": 0}])
+def test_scores_by_source_empty_group_is_nan(tmp_path):
+    s = ev.scores_by_source([{"data_source": "nq", "em": 1.0, "f1": 1.0, "n_search": 0}])
     assert s["multihop"]["n"] == 0 and math.isnan(s["multihop"]["em"])
     assert "multihop" not in ev.format_table(s)
     ev.write_outputs(tmp_path, {"direct": ({"mode": "direct"}, {**s, "examples": []})})
@@ -157,7 +157,7 @@ def test_load_flashrag_folder_limit_per_source(tmp_path):
         lines = [json.dumps({"id": f"{name}_{i}", "question": f"q{i}?", "golden_answers": [f"a{i}"],
                              "metadata": {}}) for i in range(n)]
         (tmp_path / name / ("test.jsonl" if name == "nq" else "dev.jsonl")).write_text("\n".join(lines))
-    records = ev.load_records([str(tmp_path)], "test", limit=2)
+    records = data.load_question_sets([str(tmp_path)], "test", limit=2)
     assert [(r["data_source"], r["id"], r["golds"]) for r in records] == [
         ("bamboogle", "bamboogle_0", ["a0"]), ("bamboogle", "bamboogle_1", ["a1"]),
         ("nq", "nq_0", ["a0"]), ("nq", "nq_1", ["a1"])]
@@ -170,15 +170,16 @@ def test_load_searchr1_parquet_limit_per_source(tmp_path):
              "reward_model": {"ground_truth": {"target": [f"{src}-a{i}"]}}, "extra_info": {"index": i}}
             for src in ("nq", "hotpotqa") for i in range(3)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
-    records = ev.load_records([str(tmp_path / "test.parquet")], "test", limit=1)
+    records = data.load_question_sets([str(tmp_path / "test.parquet")], "test", limit=1)
     assert [(r["id"], r["question"], r["golds"]) for r in records] == [
         ("nq:0", "nq q0?", ["nq-a0"]), ("hotpotqa:0", "hotpotqa q0?", ["hotpotqa-a0"])]
 
 
 def test_resolve_model_checkpoint_layouts(tmp_path):
-    for step in (5, 20, 100):
+    for step in (5, 20, 100):                         # complete checkpoints: state.json is written last
         (tmp_path / f"ckpt-{step}" / "model").mkdir(parents=True)
         (tmp_path / f"ckpt-{step}" / "model" / "config.json").write_text("{}")
+        (tmp_path / f"ckpt-{step}" / "state.json").write_text("{}")
     assert ev.resolve_model(str(tmp_path)) == str(tmp_path / "ckpt-100" / "model")
     assert ev.resolve_model(str(tmp_path / "ckpt-5")) == str(tmp_path / "ckpt-5" / "model")
     assert ev.resolve_model("SomeOrg/some-model") == "SomeOrg/some-model"
@@ -186,7 +187,14 @@ def test_resolve_model_checkpoint_layouts(tmp_path):
     for step in (9, 10):
         (run / f"ckpt-{step}").mkdir(parents=True)
         (run / f"ckpt-{step}" / "config.json").write_text("{}")
+        (run / f"ckpt-{step}" / "state.json").write_text("{}")
     (run / "config.json").write_text('{"steps": 10}')
+    assert ev.resolve_model(str(run)) == str(run / "ckpt-10")
+    (run / "latest").write_text("ckpt-9")            # the checkpoint train.py would resume from wins
+    assert ev.resolve_model(str(run)) == str(run / "ckpt-9")
+    (run / "ckpt-11").mkdir()                         # unfinished (no state.json): never chosen
+    (run / "ckpt-11" / "config.json").write_text("{}")
+    (run / "latest").unlink()
     assert ev.resolve_model(str(run)) == str(run / "ckpt-10")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no model here"):
@@ -215,7 +223,7 @@ def toy_bm25():
 @pytest.mark.parametrize("mode", ev.MODES)
 def test_modes_run_on_toy_world(tiny_model, toy_bm25, mode, tmp_path):
     model, tok = tiny_model
-    records = ev.load_records(["toy"], "test", limit=1)
+    records = data.load_question_sets(["toy"], "test", limit=1)
     retriever = None if mode == "direct" else toy_bm25
     cfg = ev.dataclasses.replace(ev.EVAL, max_turns=1, max_turn_tokens=4, max_obs_tokens=200)
     out = ev.evaluate(model, tok, records, retriever, mode, cfg, batch_size=2)

@@ -1,4 +1,5 @@
-"""Tests for retriever.py: real corpora, real indexes, a real server on a loopback port."""
+"""Tests for retriever.py and plumbing/server.py behind `retriever.py serve`: real corpora, real
+indexes, a real server on a loopback port."""
 
 import contextlib
 import importlib.util
@@ -20,6 +21,7 @@ import requests
 import torch
 
 import retriever as R
+from plumbing.server import MAX_QUERIES, make_server, max_body_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -293,7 +295,7 @@ def test_minilm_dense_retrieval_returns_sensible_neighbours(corpus):
 @contextlib.contextmanager
 def serving(retriever, **flags):
     """A real server over `retriever` on a free loopback port; yields its base URL."""
-    srv = R.make_server(retriever, "127.0.0.1", 0, read_timeout=2.0, **flags)
+    srv = make_server(retriever, "127.0.0.1", 0, read_timeout=2.0, **flags)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -349,7 +351,7 @@ def test_server_takes_a_whole_search_r1_turn_in_one_post(server):
     r = requests.post(server + "/retrieve", json={"queries": queries, "topk": 3, "return_scores": True}, timeout=60)
     assert r.status_code == 200
     assert [hits[0]["document"]["id"] for hits in r.json()["result"]] == [QUERIES[q] for q in queries]
-    assert R.MAX_QUERIES >= 4096
+    assert MAX_QUERIES >= 4096
 
 
 def test_server_uses_its_topk_flag_when_a_request_sends_no_topk_null_or_0(bm25):
@@ -361,7 +363,7 @@ def test_server_uses_its_topk_flag_when_a_request_sends_no_topk_null_or_0(bm25):
         r = requests.post(url + "/retrieve", json={"queries": [q], "topk": 4}, timeout=10)
         assert len(r.json()["result"][0]) == 4
     with pytest.raises(ValueError, match="--topk must be between 1 and 100"):
-        R.make_server(bm25, "127.0.0.1", 0, topk=0)
+        make_server(bm25, "127.0.0.1", 0, topk=0)
 
 
 def test_server_body_limit_follows_max_queries_and_fits_the_longest_queries(bm25):
@@ -373,7 +375,7 @@ def test_server_body_limit_follows_max_queries_and_fits_the_longest_queries(bm25
         r = requests.post(url + "/retrieve", json={"queries": ["a", "b", "c"], "topk": 1}, timeout=10)
         assert r.status_code == 400 and "too many queries: 3 > 2" in r.json()["error"]
         assert "--max-queries" in r.json()["error"]
-        limit = R.max_body_bytes(2)
+        limit = max_body_bytes(2)
         status, body = raw_request(url, f"POST /retrieve HTTP/1.1\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
         assert status == 413 and f"over the {limit} byte limit (set by --max-queries 2)" in body["error"]
     assert len(json.dumps({"queries": [longest] * 2, "topk": 1}, indent=4)) <= limit
@@ -420,7 +422,7 @@ def raw_request(url, data: bytes, wait_s=5.0):
 
 
 def test_server_rejects_oversized_missing_length_wrong_path_and_stalled_bodies(server):
-    limit = R.max_body_bytes(R.MAX_QUERIES)
+    limit = max_body_bytes(MAX_QUERIES)
     status, body = raw_request(server, f"POST /retrieve HTTP/1.1\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
     assert status == 413 and f"over the {limit} byte limit" in body["error"]
     status, body = raw_request(server, b"POST /retrieve HTTP/1.1\r\n\r\n")

@@ -1,0 +1,42 @@
+"""The report of `python eval.py`: the plain-text table (one row per data source, then the paper's
+macro averages), the setting printed above it, and the files of an evaluation folder: results.json
+(scores and setting per mode, strict JSON), predictions.jsonl (one line per question and mode) and
+results.txt (the printed tables).
+"""
+import json
+from pathlib import Path
+
+from plumbing.runs import json_safe
+
+
+def format_table(summary: dict) -> str:
+    """Plain-text table: one row per source, then the paper's group averages."""
+    lines = [f"{'source':<28}{'N':>6}{'EM':>8}{'F1':>8}{'searches':>10}"]
+
+    def row(name, r):
+        return f"{name:<28}{r['n']:>6}{r['em']:>8.3f}{r['f1']:>8.3f}{r['searches']:>10.2f}"
+    lines += [row(src, r) for src, r in summary["sources"].items()]
+    lines.append("-" * len(lines[0]))
+    lines += [row(f"avg {group} (macro)", summary[group]) for group in ("general", "multihop", "all")
+              if summary[group]["n"]]
+    return "\n".join(lines)
+
+
+def format_header(setting: dict) -> str:
+    width = max(len(k) for k in setting)
+    return "\n".join(f"{k:>{width}}: {v}" for k, v in setting.items())
+
+
+def write_outputs(out_dir: Path, runs: dict[str, tuple[dict, dict]]) -> None:
+    """runs: {mode: (setting, evaluate() result)} -> results.json ({mode: {"setting", scores}}),
+    predictions.jsonl (one line per question and mode) and results.txt (the printed tables)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scores = {mode: {"setting": setting, **{k: v for k, v in result.items() if k != "examples"}}
+              for mode, (setting, result) in runs.items()}
+    (out_dir / "results.json").write_text(json.dumps(json_safe(scores), indent=2) + "\n")
+    with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
+        for mode, (_, result) in runs.items():
+            for ex in result["examples"]:
+                f.write(json.dumps({"mode": mode, **ex}, ensure_ascii=False) + "\n")
+    (out_dir / "results.txt").write_text("\n\n".join(
+        f"{format_header(setting)}\n\n{format_table(result)}" for setting, result in runs.values()) + "\n")

@@ -1,0 +1,224 @@
+"""The hardened HTTP server behind `python retriever.py serve`: Search-R1's `POST /retrieve` (and
+`GET /health`) over any retriever.py backend, standard library only. It takes everything the
+original Search-R1 trainer sends (an empty batch, empty queries, a whole turn in one POST, topk
+missing, null or 0), rejects anything else with a JSON 4xx that says what is wrong, caps the body
+size by the largest valid request, drops clients that stall mid-request, answers backend failures
+with a 500 instead of dying, and serves many clients on threads while searches run one at a time.
+"""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from retriever import MAX_QUERY_CHARS, check_queries
+
+# Limits: generous for a rollout batch, small enough that one request can't hog the box.
+MAX_QUERIES = 4096  # default --max-queries; Search-R1 posts a whole turn: 512 prompts x 5 = 2,560
+MAX_TOPK = 100
+DEFAULT_TOPK = 3  # default --topk, used when a request has no topk (Search-R1's retrieval_topk)
+READ_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after this long
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def max_body_bytes(max_queries: int) -> int:
+    """The largest body a request within the other limits can need, so this cap never rejects one.
+
+    JSON spends at most 12 bytes on one character (a non-BMP character escaped as a surrogate
+    pair, "\\ud83d\\ude00"); 16 bytes per query cover quotes, comma and indentation, 4 KiB the rest.
+    """
+    return max_queries * (12 * MAX_QUERY_CHARS + 16) + 4096
+
+
+def parse_retrieve_request(body: bytes, max_queries: int = MAX_QUERIES,
+                           default_topk: int = DEFAULT_TOPK) -> tuple[list[str], int, bool]:
+    """Validate a Search-R1 request body -> (queries, topk, return_scores); BadRequest if wrong.
+
+    Accepts everything the original Search-R1 trainer sends: an empty `queries` list (a turn in
+    which no row searched), empty query strings (`<search></search>`), a whole turn in one POST
+    (up to `max_queries`), and `topk` missing, null or 0, which all mean `default_topk` as in the
+    original server. Rejected: bodies that are not a JSON object, wrong types, negative topk or
+    topk > MAX_TOPK, queries longer than MAX_QUERY_CHARS, more than `max_queries` queries.
+    """
+    try:
+        req = json.loads(body)
+    except ValueError as e:  # includes UnicodeDecodeError
+        raise BadRequest(400, f"body is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise BadRequest(400, 'body must be a JSON object like {"queries": ["..."], "topk": 3}')
+    if "queries" not in req:
+        raise BadRequest(400, "missing 'queries' (a list of strings)")
+    queries, topk, return_scores = req["queries"], req.get("topk"), req.get("return_scores", True)
+    if topk is None or (type(topk) is int and topk == 0):  # the original's `if not request.topk`
+        topk = default_topk
+    try:
+        check_queries(queries, topk)
+    except ValueError as e:
+        raise BadRequest(400, str(e)) from None
+    if len(queries) > max_queries:
+        raise BadRequest(400, f"too many queries: {len(queries)} > {max_queries}; split the batch "
+                              "or start the server with a larger --max-queries")
+    for i, q in enumerate(queries):
+        if len(q) > MAX_QUERY_CHARS:
+            raise BadRequest(400, f"queries[{i}] is {len(q)} characters, over the {MAX_QUERY_CHARS} limit")
+    if topk > MAX_TOPK:
+        raise BadRequest(400, f"topk must be between 1 and {MAX_TOPK}, got {topk}")
+    if not isinstance(return_scores, bool):
+        raise BadRequest(400, "return_scores must be true or false")
+    return queries, topk, return_scores
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """POST /retrieve in Search-R1's format, GET /health.
+
+    Request:  {"queries": [str, ...], "topk": int (optional), "return_scores": bool (default true)}
+    Response: {"result": [hits of queries[0], hits of queries[1], ...]}, one list per query, with
+      return_scores true:  hits = [{"document": {"id": str, "contents": str}, "score": float}, ...]
+      return_scores false: hits = [{"document": {"id": str, "contents": str}}, ...]
+    Search-R1's own server breaks on return_scores false (its trainer always sends true); ours
+    keeps the one hit shape, less the score.
+    Errors:   4xx/5xx with {"error": "what is wrong"}.
+    """
+
+    server_version = "llds-retriever/1"
+
+    def setup(self):
+        self.timeout = self.server.read_timeout  # socket timeout: a stalled client can't hold a thread
+        super().setup()
+
+    def do_GET(self):
+        if self.path == "/health":
+            r = self.server.retriever
+            self._send(200, {"status": "ok", "backend": getattr(r, "backend", "?"), "n_docs": len(r.corpus)})
+        else:
+            self._send(404 if self.path != "/retrieve" else 405,
+                       {"error": f"GET {self.path} not served; use POST /retrieve or GET /health"})
+
+    def do_POST(self):
+        try:
+            if self.path != "/retrieve":
+                raise BadRequest(404, f"unknown path {self.path}; use POST /retrieve")
+            queries, topk, return_scores = parse_retrieve_request(
+                self._read_body(), self.server.max_queries, self.server.default_topk)
+        except BadRequest as e:
+            self.close_connection = True
+            self._send(e.status, {"error": str(e)})
+            return
+        try:
+            with self.server.lock:
+                result = self.server.retriever.search(queries, topk)
+        except Exception as e:  # a backend bug must not kill the server; the client retries 5xx
+            self._send(500, {"error": f"search failed: {type(e).__name__}: {e}"})
+            return
+        if not return_scores:
+            result = [[{"document": h["document"]} for h in hits] for hits in result]
+        self._send(200, {"result": result})
+
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise BadRequest(411, "Content-Length header required")
+        try:
+            length = int(length)
+        except ValueError:
+            raise BadRequest(400, f"bad Content-Length {length!r}") from None
+        limit = self.server.max_body_bytes
+        if length < 0 or length > limit:
+            raise BadRequest(413, f"body of {length} bytes is over the {limit} byte limit "
+                                  f"(set by --max-queries {self.server.max_queries})")
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            raise BadRequest(408, f"body not received within {self.server.read_timeout} s") from None
+        if len(body) < length:
+            raise BadRequest(400, f"body ended after {len(body)} of {length} bytes")
+        return body
+
+    def _send(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client went away; nothing left to tell it
+            self.close_connection = True
+
+    def log_request(self, code="-", size="-"):
+        if isinstance(code, int) and code >= 400:  # successful requests stay quiet
+            super().log_request(code, size)
+
+
+def check_server_flags(max_queries: int, topk: int) -> None:
+    """Raise ValueError for a server --max-queries or --topk it cannot honour."""
+    if max_queries < 1:
+        raise ValueError(f"--max-queries must be at least 1, got {max_queries}")
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"--topk must be between 1 and {MAX_TOPK}, got {topk}")
+
+
+def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, read_timeout: float = READ_TIMEOUT_S,
+                max_queries: int = MAX_QUERIES, topk: int = DEFAULT_TOPK) -> ThreadingHTTPServer:
+    """A threaded server over `retriever`; port 0 picks a free one (see .server_address).
+
+    max_queries caps the queries per request (and so the body size); topk is used for requests
+    that send none.
+    """
+    check_server_flags(max_queries, topk)
+    server = ThreadingHTTPServer((host, port), _Handler)
+    server.daemon_threads = True
+    server.retriever = retriever
+    server.read_timeout = read_timeout
+    server.max_queries, server.default_topk = max_queries, topk
+    server.max_body_bytes = max_body_bytes(max_queries)
+    # Searches are CPU-bound and torch/numpy already use every core: serialising them costs
+    # nothing in throughput and keeps backends that were never meant to be thread-safe safe.
+    server.lock = threading.Lock()
+    return server
+
+
+
+def serve(open_backend, host: str, port: int, max_queries: int, topk: int) -> None:
+    """Check the flags, then open the backend (`open_backend()`, maybe a long index build) and
+    serve it until Ctrl-C."""
+    check_server_flags(max_queries, topk)
+    retriever = open_backend()
+    server = make_server(retriever, host, port, max_queries=max_queries, topk=topk)
+    host, port = server.server_address[:2]
+    print(f"serving {retriever.backend} over {len(retriever.corpus)} passages on "
+          f"http://{host}:{port}/retrieve (GET /health); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def add_serve_command(subparsers, local_args, open_local) -> None:
+    """`retriever.py serve`: its flags, and `serve` run on `open_local(args)`. local_args(parser)
+    adds the backend flags the other subcommands share (--corpus, --index, --backend, --encoder)."""
+    sp = subparsers.add_parser(
+        "serve", help="serve POST /retrieve (Search-R1 format) and GET /health",
+        description='Serve POST /retrieve: {"queries": [str, ...], "topk": int, "return_scores": bool} -> '
+                    '{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}, one list per '
+                    'query ("score" left out when return_scores is false). Takes all the original '
+                    'Search-R1 trainer sends: an empty queries list, empty queries, a whole turn in '
+                    'one POST; topk missing, null or 0 means --topk. Bad input gets a JSON 4xx.')
+    local_args(sp)
+    sp.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it to the network)")
+    sp.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    sp.add_argument("--topk", type=int, default=DEFAULT_TOPK,
+                    help=f"hits per query when a request sends no topk, null or 0 (1..{MAX_TOPK})")
+    sp.add_argument("--max-queries", type=int, default=MAX_QUERIES,
+                    help=f"most queries in one request (Search-R1 sends 512 prompts x 5 = 2,560); "
+                         f"also sets the body limit ({max_body_bytes(MAX_QUERIES) / 2**20:.0f} MiB at "
+                         f"{MAX_QUERIES})")
+
+    def run(args):
+        serve(lambda: open_local(args), args.host, args.port, args.max_queries, args.topk)
+    sp.set_defaults(fn=run)

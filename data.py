@@ -28,6 +28,7 @@ import argparse
 import collections
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -68,6 +69,17 @@ def toy_world(seed: int = 0) -> Path:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def corpus_for(sources: list[str], retriever: str, corpus: str | None = None) -> str | None:
+    """The corpus an in-process retriever searches: `corpus` when given, none for a server URL
+    (it has its own), the toy world's for toy questions; else a clear error."""
+    if corpus or retriever.startswith(("http://", "https://")):
+        return corpus or None
+    if any(is_toy(s) for s in sources):
+        return str(toy_world() / "corpus.jsonl")
+    raise ValueError(f"the {retriever} retriever needs --corpus (a JSONL of passages) for your own "
+                     "questions, or a server URL as --retriever")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,6 +216,14 @@ def load_question_sets(sources: list[str], split: str, limit: int | None) -> lis
             seen[r["data_source"]] += 1
             kept.append(r)
     return kept
+
+
+def heldout_set(source: str, size: int) -> list[Record]:
+    """A fixed held-out subset: `size` test questions of `source` drawn with seed 0, the same for
+    every run (train.py evaluates on it before, during and after training)."""
+    records = load_questions(source, split="test")
+    random.Random(0).shuffle(records)
+    return records[:size]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,13 +32,14 @@ import torch
 from tqdm import tqdm
 
 import data
-import rollout as ro
+import rollout
+from plumbing.models import load_policy
 from plumbing.reports import format_header, format_table, write_outputs
 from plumbing.runs import find_checkpoint
 from retriever import open_retriever
 
 MODES = ("search", "rag", "direct")
-EVAL = ro.RolloutConfig(max_turns=4, topk=3, greedy=True)  # as in the paper: greedy, 4 searches, top-3
+EVAL = rollout.RolloutConfig(max_turns=4, topk=3, greedy=True)  # as in the paper: greedy, 4 searches, top-3
 
 # The paper's two column groups. Names are matched after dropping a "toy_" prefix, so the toy
 # world's toy_nq counts as general and toy_hotpot_* as multi-hop; unknown sources only enter "all".
@@ -118,12 +119,12 @@ CHAT_RAG = ("Answer the given question using the documents below. Provide the an
 def one_turn_prompt(question: str, tokenizer, template: str = "fewshot", passages: str | None = None) -> list[int]:
     """Prompt ids for answering in one turn: direct (passages=None) or rag (format_passages text).
     template "fewshot" -> plain-text 2-shot prompt; "search-r1" -> one chat message."""
-    question = ro.as_question(question)
+    question = rollout.as_question(question)
     if template == "fewshot":
         text = (FEWSHOT_DIRECT if passages is None else FEWSHOT_RAG).format(question=question, passages=passages)
         return tokenizer(text)["input_ids"]
     text = (CHAT_DIRECT if passages is None else CHAT_RAG).format(question=question, passages=passages)
-    return ro.chat_prompt_ids(tokenizer, text) if tokenizer.chat_template else tokenizer(text + "\n")["input_ids"]
+    return rollout.chat_prompt_ids(tokenizer, text) if tokenizer.chat_template else tokenizer(text + "\n")["input_ids"]
 
 
 def _cut(text: str, tokenizer, max_tokens: int) -> str:
@@ -140,7 +141,7 @@ def with_prompts(records: list[dict], tokenizer, retriever, mode: str, cfg) -> l
     hits = retriever.search([r["question"] for r in records], cfg.topk)
     return [{**r, "retrieved": [h["document"]["id"] for h in hs],
              "prompt_ids": one_turn_prompt(r["question"], tokenizer, cfg.template,
-                                           _cut(ro.format_passages(hs), tokenizer, cfg.max_obs_tokens))}
+                                           _cut(rollout.format_passages(hs), tokenizer, cfg.max_obs_tokens))}
             for r, hs in zip(records, hits)]
 
 
@@ -175,7 +176,7 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
                 chunk = records[first:first + cfg.batch_size]
                 if mode != "search":
                     chunk = with_prompts(chunk, tokenizer, retriever, mode, cfg)
-                episodes = ro.rollout(model, tokenizer, chunk, retriever, cfg).episodes
+                episodes = rollout.rollout(model, tokenizer, chunk, retriever, cfg).episodes
                 examples += [_example(r, ep, mode) for r, ep in zip(chunk, episodes)]
                 bar.update(len(chunk))
     finally:
@@ -253,7 +254,7 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=EVAL.topk, help="passages per search")
     p.add_argument("--max-turns", type=int, default=EVAL.max_turns, help="search turns (paper: 4 at evaluation)")
     p.add_argument("--max-turn-tokens", type=int, default=EVAL.max_turn_tokens, help="tokens per turn (paper: 500)")
-    p.add_argument("--template", default=EVAL.template, choices=sorted(ro.TEMPLATES), help="prompt template")
+    p.add_argument("--template", default=EVAL.template, choices=sorted(rollout.TEMPLATES), help="prompt template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
     p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
@@ -276,11 +277,9 @@ def main(argv=None) -> None:
             raise ValueError(f"no questions found in {args.data}")
         retriever = None
         if set(args.mode) - {"direct"}:
-            if args.corpus is None and any(map(data.is_toy, args.data)) and not args.retriever.startswith("http"):
-                args.corpus = str(data.toy_world() / "corpus.jsonl")
-            retriever = open_retriever(args.retriever, corpus=args.corpus, index=args.index)
-        model, tokenizer = ro.load_policy(resolve_model(args.model),
-                                          dtype=torch.bfloat16 if args.device == "cuda" else None)
+            retriever = open_retriever(args.retriever, corpus=data.corpus_for(args.data, args.retriever, args.corpus),
+                                       index=args.index)
+        model, tokenizer = load_policy(resolve_model(args.model), dtype=torch.bfloat16 if args.device == "cuda" else None)
         model.to(args.device)
         runs = {}
         for mode in args.mode:

@@ -1,24 +1,19 @@
 """rollout.py — the Search-R1 environment: prompts, batched multi-turn generation with search,
 the three masks, and the exact-match reward.
 
-Search-R1 (Jin et al., arXiv 2503.09516) lets the policy interleave text with
-`<search> query </search>` calls; the environment answers with
-`<information> top-k passages </information>` and the episode ends at `<answer> ... </answer>`.
-This file is that loop, for a whole batch of episodes at once:
-
+Search-R1 (Jin et al., arXiv 2503.09516) lets the policy interleave text with `<search> query
+</search>` calls; the environment answers with `<information> top-k passages </information>`
+and the episode ends at `<answer> ... </answer>`. This file is that loop, for a batch at once:
 * every turn, all active episodes sample together with one KV cache; each row stops on its own
   at the first `</search>` / `</answer>`, at EOS or at the per-turn cap;
 * all queries of a turn go to the retriever in ONE `.search(queries, topk)` call;
-* the observation (or the fixed invalid-action message) is appended as forced tokens, and the
-  next turn continues from the same KV cache;
-* "token in, token out": the sampled ids are stored as they are, never decoded and re-encoded,
-  together with their log-probs, so a training-time recompute scores exactly what was sampled.
-  (The original decodes, cuts at the tag and re-tokenises, which can change the ids.)
+* the observation (or the fixed invalid-action message) is appended as forced tokens;
+* "token in, token out": the sampled ids are stored as they are, never decoded and re-encoded
+  (the original does, which can change the ids), with their log-probs.
 
-Output (`Rollout`): right-padded `input_ids`, `attention_mask` (every real token, observations
-included), `loss_mask` (model-sampled tokens only), `answer_mask` (the final `<answer>..</answer>`
-span) and per-episode results. Reward = exact match of the last `<answer>` after SQuAD-style
-normalisation (`normalize_answer`, `extract_answer`, `exact_match`, `f1_score`).
+Output (`Rollout`): right-padded `input_ids`, `attention_mask` (every real token), `loss_mask`
+(model-sampled tokens only), `answer_mask` (the final `<answer>..</answer>` span), per-episode
+results. Reward = exact match of the last `<answer>`, SQuAD-normalised (`exact_match`).
 
 Choices and simplifications:
 * A custom sampling loop instead of `model.generate`, so that stop strings, per-row stopping and
@@ -51,11 +46,10 @@ import torch
 
 from plumbing import fast_hf
 from plumbing.fewshot import FEWSHOT_EXAMPLES, FEWSHOT_INSTRUCTION   # the "fewshot" prompt's text
+from plumbing.tokens import answer_token_span, encode_in_text
 from retriever import MAX_QUERY_CHARS
 
-# ----------------------------------------------------------------------------------------------
-# Reward: SQuAD-style normalisation, exact match and token F1 on the last <answer>
-# ----------------------------------------------------------------------------------------------
+# ---- Reward: SQuAD-style normalisation, exact match and token F1 on the last <answer> -----
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -101,9 +95,7 @@ def f1_score(prediction: str | None, golds) -> float:
     return best
 
 
-# ----------------------------------------------------------------------------------------------
-# Prompts and observations
-# ----------------------------------------------------------------------------------------------
+# ---- Prompts and observations -------------------------------------------------------------
 
 # The trained Search-R1 string, typo ("as your want") included.
 SEARCH_R1_TEMPLATE = (
@@ -134,25 +126,25 @@ def format_passages(hits: list[dict]) -> str:
     return "".join(lines).strip()
 
 
-def _encode_in_text(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as they come out inside running text (here: followed by a tag).
-
-    Byte-level BPE tokenisers encode a "\n\n" at the very END of a string as one token that in
-    pretraining only precedes more whitespace, but as two "\n" tokens before text. SmolLM2 after
-    an observation ending in the former writes "\nWhat is the answer..." instead of a tag, so
-    forced text is encoded with a letter appended, and that letter's token dropped.
-    """
-    enc = tokenizer(text + "x", add_special_tokens=False, return_offsets_mapping=True)
-    ids = [i for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if end <= len(text)]
-    return ids if tokenizer.decode(ids) == text else tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def _observation_ids(tokenizer, passages: list[str], max_obs_tokens: int) -> list[list[int]]:
     """Token ids of `\n\n<information>{passages}</information>\n\n` per passage block, each
     capped at max_obs_tokens by cutting the passages, never the closing tag."""
     heads = tokenizer([f"\n\n<information>{p}" for p in passages], add_special_tokens=False)["input_ids"]
-    tail = _encode_in_text(tokenizer, "</information>\n\n")
+    tail = encode_in_text(tokenizer, "</information>\n\n")
     return [head[:max(max_obs_tokens - len(tail), 0)] + tail for head in heads]
+
+
+def as_question(question: str) -> str:
+    """A question as Search-R1 asks it: stripped, ending in '?'."""
+    question = question.strip()
+    return question if question.endswith("?") else question + "?"
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """`text` as the one user message of the tokenizer's chat template, the assistant's turn opened."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[int]:
@@ -165,16 +157,10 @@ def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[in
     """
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}: use one of {', '.join(TEMPLATES)}")
-    question = question.strip()
-    if not question.endswith("?"):
-        question += "?"
+    question = as_question(question)
     if template == "search-r1":
         text = SEARCH_R1_TEMPLATE.format(question=question)
-        if not tokenizer.chat_template:
-            return tokenizer(text)["input_ids"]
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(tokenizer, text) if tokenizer.chat_template else tokenizer(text)["input_ids"]
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -190,13 +176,11 @@ def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[in
             if passages:
                 hits = [{"document": {"id": "", "contents": c}} for c in passages]
                 ids += _observation_ids(tokenizer, [format_passages(hits)], max_obs_tokens=10**6)[0]
-        ids += _encode_in_text(tokenizer, "\n\n")
+        ids += encode_in_text(tokenizer, "\n\n")
     return ids + encode(f"Question: {question}\n")
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration and output
-# ----------------------------------------------------------------------------------------------
+# ---- Configuration and output -------------------------------------------------------------
 
 @dataclass
 class RolloutConfig:
@@ -235,9 +219,7 @@ class Rollout:
     #                                   sampling temperature on loss_mask positions, 0 elsewhere
 
 
-# ----------------------------------------------------------------------------------------------
-# Batched generation with one KV cache
-# ----------------------------------------------------------------------------------------------
+# ---- Batched generation with one KV cache -------------------------------------------------
 
 # Each token of an episode is one of three kinds; only MODEL tokens get a loss (loss_mask).
 PROMPT, MODEL, FORCED = 0, 1, 2     # FORCED: observations and the invalid-action message
@@ -294,9 +276,7 @@ def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int], s
             [p[:n] for p, n in zip(logps.tolist(), lengths)])
 
 
-# ----------------------------------------------------------------------------------------------
-# Episodes
-# ----------------------------------------------------------------------------------------------
+# ---- Episodes -----------------------------------------------------------------------------
 
 @dataclass
 class _Episode:
@@ -316,23 +296,6 @@ class _Episode:
         self.ids += ids
         self.kinds += [kind] * len(ids)
         self.logps += logps if logps is not None else [0.0] * len(ids)
-
-
-def _answer_span(tokenizer, turn_ids: list[int]) -> tuple[str | None, list[int]]:
-    """(answer, token indices) of the last <answer>..</answer> in a turn's tokens.
-
-    Rule: a token belongs to the span when its decoded characters overlap the span's characters
-    (tags included), so the span is widened to whole tokens at both ends.
-    """
-    text = tokenizer.decode(turn_ids)
-    matches = list(_ANSWER_RE.finditer(text))
-    if not matches:
-        return None, []
-    begin, end = matches[-1].span()
-    ends = [len(tokenizer.decode(turn_ids[:i + 1])) for i in range(len(turn_ids))]
-    starts = [0] + ends[:-1]
-    return matches[-1].group(1).strip(), [i for i, (s, e) in enumerate(zip(starts, ends))
-                                           if s < end and e > begin]
 
 
 def _parse_action(tokenizer, ids: list[int], eos: torch.Tensor) -> tuple[str | None, str | None]:
@@ -376,7 +339,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
     """All turns of one batch of episodes; returns their final states."""
     prompts = _prompt_ids(tokenizer, records, cfg)
     episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
-    invalid_ids = _encode_in_text(tokenizer, INVALID_ACTION)
+    invalid_ids = encode_in_text(tokenizer, INVALID_ACTION)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     t0 = time.perf_counter()
@@ -457,7 +420,7 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         answer, answer_row = None, [0.0] * len(ep.ids)
         if ep.answer_turn is not None:
             begin, end = ep.turns[ep.answer_turn]
-            answer, span = _answer_span(tokenizer, ep.ids[begin:end])
+            answer, span = answer_token_span(tokenizer, ep.ids[begin:end], _ANSWER_RE)
             for i in span:
                 answer_row[begin + i] = 1.0
         answer_rows.append(answer_row)

@@ -32,7 +32,6 @@ live in plumbing/, one call each.
 import dataclasses
 import json
 import math
-import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +42,11 @@ from tqdm import tqdm
 import data
 import retriever as retrieval
 import rollout
-from eval import evaluate
 from llds import action_ids, llds_loss, preserving_responses
 from plumbing import fast_hf, runs
 from plumbing.cli import check_config, parse_train_args
 from plumbing.models import load_policy, reference_copy
-from plumbing.memory import limit_heap_fragmentation, peak_memory_gb, release_memory
+from plumbing.memory import limit_heap_fragmentation, peak_memory_gb
 from plumbing.plots import plot_runs
 
 # ---- Configuration -------------------------------------------------------------------------
@@ -209,14 +207,11 @@ def kl_k3(logp, ref_logp):
 # ---- Log-probs -----------------------------------------------------------------------------
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, share_prefix=True):
-    """log p(token_t | tokens_<t) at the sampling temperature, and the entropy there, on model
-    tokens only; what the plain `log_softmax(model(input_ids).logits[:, :-1] / T)` gathered at
-    the next tokens gives (tested), with the speed-ups one call away in plumbing/fast_hf.py.
-
-    input_ids, attention_mask, loss_mask: (B, T) -> (logp, entropy): (B, T) float32, 0 elsewhere.
-    share_prefix: run the few-shot prefix once (a config choice, never a grad-mode one: old,
-    reference and update passes must take the same path to agree bit for bit).
-    """
+    """log p(token_t | tokens_<t) at the sampling temperature and the entropy there, on model
+    tokens only: (B, T) ids and masks -> two (B, T) float32, 0 elsewhere. The same numbers as
+    `log_softmax(model(input_ids).logits[:, :-1] / T)` gathered at the next tokens (tested).
+    share_prefix (run the few-shot prefix once) is a config choice, never a grad-mode one: old,
+    reference and update passes must take the same path to agree bit for bit."""
     hidden = fast_hf.hidden_states(model, input_ids, attention_mask, share_prefix)   # (B, T, H)
     picked = loss_mask[:, 1:].bool()                  # (B, T-1): the next token is a model token
     logp, entropy = fast_hf.head_logprobs(model.get_output_embeddings(), hidden[:, :-1][picked],
@@ -414,27 +409,6 @@ def displacement(model, batch, plan, correct, old_logp, cfg, device) -> dict:
 
 # ---- Evaluation and the reference model ----------------------------------------------------
 
-def heldout_set(cfg: Config) -> list[dict]:
-    """The fixed held-out subset: eval_size questions drawn with seed 0 (the same for every run)."""
-    source = cfg.eval_data or cfg.data
-    records = data.load_questions(source, split="test")
-    random.Random(0).shuffle(records)
-    return records[:cfg.eval_size]
-
-
-def run_eval(model, tokenizer, records, retriever, cfg: Config) -> dict:
-    """Greedy held-out scores through eval.py (the numbers of `python eval.py`, mode "search").
-    eval/em is the macro average over data sources, as in the paper's tables."""
-    rcfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
-    rng = torch.get_rng_state()                   # greedy needs no randomness; keep the stream intact
-    scores = evaluate(model, tokenizer, records, retriever, "search", rcfg, progress=True)
-    torch.set_rng_state(rng)
-    release_memory()
-    return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
-            "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
-            "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
-
-
 def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
     fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
@@ -453,23 +427,16 @@ def setup(cfg: Config, model=None, tokenizer=None):
     run_dir = runs.prepare_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume)
     runs.seed_everything(cfg.seed)
 
-    corpus = cfg.corpus or None
-    if corpus is None and not cfg.retriever.startswith(("http://", "https://")):
-        if not data.is_toy(cfg.data):
-            raise ValueError(f"the {cfg.retriever} retriever needs --corpus (a JSONL of passages) "
-                             "for your own data, or a server URL as --retriever")
-        corpus = str(data.toy_world() / "corpus.jsonl")
+    corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
     train_records = data.load_questions(cfg.data, split="train")
-    eval_records = heldout_set(cfg)
+    eval_records = data.heldout_set(cfg.eval_data or cfg.data, cfg.eval_size)
     retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None)
 
     if model is None:
         model, tokenizer = load_policy(cfg.model or None)
-    # The frozen initial policy of the k3 KL term (none in the CPU demo: kl_coef 0), copied
-    # before a resume loads newer weights.
-    ref = reference_copy(model, bf16_weights=device.type == "cuda" and cfg.bf16) if cfg.kl_coef > 0 else None
+    # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume.
+    ref = reference_copy(model, bf16_weights=device.type == "cuda" and cfg.bf16).to(device) if cfg.kl_coef > 0 else None
     model.to(device)
-    ref = ref.to(device) if ref is not None else None
     if cfg.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -478,24 +445,18 @@ def setup(cfg: Config, model=None, tokenizer=None):
 
 def train(cfg: Config, model=None, tokenizer=None) -> dict:
     """Train (or resume) the run <out_dir>/<name>; model/tokenizer may be injected (tests).
-
-    -> {"before": eval metrics at step 0, "after": at the end, "last": the last step's metrics}
-    """
+    -> {"before": eval metrics at step 0, "after": at the end, "last": the last step's metrics}"""
     device, run_dir, train_records, eval_records, retriever, model, tokenizer, ref, optimizer = \
         setup(cfg, model, tokenizer)
-    sampler = runs.PromptSampler(train_records, cfg.seed)
-    monitor = runs.SpiralMonitor(cfg.spiral_window, cfg.spiral_grad_factor)
-    start, skipped, evals = 0, 0, {}
-    if cfg.resume:
-        state = runs.resume(run_dir, model, optimizer)
-        if state:
-            start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
-            sampler = runs.PromptSampler(train_records, cfg.seed, **state["sampler"])
-            monitor.history = state["monitor"]
+    state = runs.start_or_resume(run_dir, model, optimizer, cfg.resume)   # step 0, or the last checkpoint's
+    start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
+    sampler = runs.PromptSampler(train_records, cfg.seed, **state["sampler"])
+    monitor = runs.SpiralMonitor(cfg.spiral_window, cfg.spiral_grad_factor, state["monitor"])
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(runs.describe(cfg, device, len(eval_records), fast_hf.bf16_supported(device) and cfg.bf16))
+    eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)   # greedy, fixed subset
     if start == 0 and eval_records:
-        evals["before"] = run_eval(model, tokenizer, eval_records, retriever, cfg)
+        evals["before"] = runs.heldout_eval(model, tokenizer, eval_records, retriever, eval_cfg)
         runs.log_metrics(run_dir, {"step": 0, **evals["before"]})
         print(f"held-out EM before training: {evals['before']['eval/em']:.3f}")
 
@@ -505,12 +466,9 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
         metrics = train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, run_dir)
         skipped += metrics["grad_norm_nonfinite"]
         metrics["skipped_steps"] = skipped
-        warnings = monitor.check(step, metrics)
-        for text in warnings:
-            tqdm.write("LLD WARNING " + text)
-        metrics["lld/warning"] = int(bool(warnings))
+        metrics["lld/warning"] = monitor.warn(step, metrics)       # 1 when the spiral pattern shows
         if eval_records and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            metrics.update(run_eval(model, tokenizer, eval_records, retriever, cfg))
+            metrics.update(runs.heldout_eval(model, tokenizer, eval_records, retriever, eval_cfg))
             evals["after" if step == cfg.steps else f"step {step}"] = {k: v for k, v in metrics.items()
                                                                       if k.startswith("eval/")}
         metrics["memory/peak_gb"] = peak_memory_gb(device)   # so far, evaluation included

@@ -4,14 +4,21 @@ The top-level scripts (llds.py, train.py, rollout.py, retriever.py, eval.py, dat
 method. Everything here is there to make them fast, robust or convenient, not to explain
 anything: each module says what it speeds up or takes care of.
 
-    fast_hf.py    CPU/GPU speed-ups of Hugging Face internals: a KV cache that grows in place,
-                  SDPA sharing K/V heads, the shared-prefix forward, the one bf16 autocast check
-    models.py     loading a policy; converting the embedded SmolLM2 GGUF once into an HF folder
+    fast_hf.py    exact speed-ups of Hugging Face internals: a KV cache that grows in place, SDPA
+                  sharing K/V heads, the shared-prefix forward, the chunked LM head, the one
+                  bf16 autocast check, rollout's batch of episodes sharing one KV cache
+    tokens.py     token-level details of forced text and of the answer span
+    fewshot.py    the text of the "fewshot" prompt's worked examples
+    models.py     loading a policy; converting the embedded SmolLM2 GGUF once into an HF folder;
+                  the KL reference copy; tiny models built in code (tests, GPU check)
     memory.py     glibc allocator settings and peak-memory readings
-    runs.py       run folders: checkpoints and RNG state, metrics log, samples, prompt sampler
+    runs.py       run folders: checkpoints and RNG state, metrics log, samples, prompt sampler,
+                  phase timing, the spiral monitor's warnings, held-out evaluation glue
     plots.py      training curves of one run, or several overlaid
     cli.py        a config dataclass -> argparse flags whose --help is the field comments
+    corpus.py     reading and fingerprinting a corpus file, index metadata
     server.py     the hardened HTTP server behind `retriever.py serve`
+    reports.py    eval.py's tables and output files
     toy_world.py  the generator of data.py's synthetic "toy world" and its checks
 """
 import os

@@ -60,6 +60,8 @@ def plot_runs(run_dirs, out=None) -> Path:
     for ax, (title, _) in zip(axes.flat, PANELS):
         if title.startswith("grad norm") and ax.lines:
             ax.set_yscale("log")
+        if title.startswith("displacement"):
+            ax.axhline(0.0, color="grey", linewidth=0.8)     # below 0: the correct ones fell
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

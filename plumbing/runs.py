@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from plumbing.memory import release_memory
 
@@ -199,18 +200,21 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
     return run_dir
 
 
-def resume(run_dir: Path, model, optimizer) -> dict | None:
-    """Load the run's latest checkpoint into model and optimizer (RNG states too) and cut the
-    metrics log back to its step; None (and an empty log) when there is no checkpoint."""
-    ckpt = find_checkpoint(run_dir)
+def start_or_resume(run_dir: Path, model, optimizer, resume: bool) -> dict:
+    """A fresh run's state, or (resume) the run's latest checkpoint loaded into model and
+    optimizer (RNG states too) with the metrics log cut back to its step. -> {"step",
+    "skipped_steps", "evals", "sampler", "monitor"}."""
+    fresh = {"step": 0, "skipped_steps": 0, "evals": {}, "sampler": {}, "monitor": None}
+    ckpt = find_checkpoint(run_dir) if resume else None
     if ckpt is None:
-        print(f"--resume: no checkpoint in {run_dir}, starting from step 0")
-        truncate_metrics(run_dir, -1)
-        return None
+        if resume:
+            print(f"--resume: no checkpoint in {run_dir}, starting from step 0")
+            truncate_metrics(run_dir, -1)
+        return fresh
     state = load_checkpoint(ckpt, model, optimizer)
     truncate_metrics(run_dir, state["step"])
     print(f"resumed from {ckpt} (step {state['step']})")
-    return state
+    return {**fresh, **state}
 
 
 def postfix(m: dict) -> dict:
@@ -230,6 +234,13 @@ class SpiralMonitor:
     def __init__(self, window: int, factor: float, history: dict | None = None):
         self.window, self.factor = window, factor
         self.history = history or {"logp_correct": [], "grad_norm": []}
+
+    def warn(self, step: int, metrics: dict) -> int:
+        """check(), printing each warning above the progress bar; 1 if there was one, else 0."""
+        warnings = self.check(step, metrics)
+        for text in warnings:
+            tqdm.write("LLD WARNING " + text)
+        return int(bool(warnings))
 
     def check(self, step: int, metrics: dict) -> list[str]:
         warnings, logp, norms = [], self.history["logp_correct"], self.history["grad_norm"]
@@ -284,3 +295,18 @@ def update_stats(logged: list[tuple], norms: list[float]) -> dict:
             "grad_norm": statistics.fmean(finite) if finite else float("nan"),
             "grad_norm_max": max(norms, key=lambda x: x if math.isfinite(x) else math.inf),
             "grad_norm_nonfinite": len(norms) - len(finite)}
+
+
+def heldout_eval(model, tokenizer, records, retriever, rollout_cfg) -> dict:
+    """Greedy held-out scores through eval.py (the numbers of `python eval.py`, mode "search"),
+    as eval/* metrics; eval/em is the macro average over data sources, as in the paper's tables.
+    The torch RNG stream is left as it was, so evaluating does not change the training run."""
+    from eval import evaluate
+
+    rng = torch.get_rng_state()
+    scores = evaluate(model, tokenizer, records, retriever, "search", rollout_cfg, progress=True)
+    torch.set_rng_state(rng)
+    release_memory()
+    return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
+            "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
+            "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}

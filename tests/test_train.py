@@ -10,7 +10,7 @@ import torch
 
 import rollout as ro
 import train
-from plumbing import cli, fast_hf, models, runs
+from plumbing import cli, fast_hf, models, plots, runs
 from bench import gpu_check
 from conftest import tiny_policy
 
@@ -376,3 +376,20 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     # the same rows regrouped (what the monitor did before) are not bit-identical
     regrouped, _ = train.batch_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
     assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0
+
+
+def test_plot_overlays_runs_and_names_the_settings_that_differ(tmp_path, alternating_rewards, capsys):
+    for name, extra in (("grpo", {"llds": False}), ("llds", {})):
+        model, tokenizer = tiny_policy()
+        train.train(tiny_config(tmp_path, name=name, steps=2, eval_size=0, ckpt_every=0, **extra), model, tokenizer)
+    runs_ = [tmp_path / "grpo", tmp_path / "llds"]
+    assert plots.run_labels(runs_) == ["grpo (llds=False)", "llds (llds=True)"]
+    assert plots.run_labels(runs_[:1]) == ["grpo"]
+    capsys.readouterr()
+    train.main(["--plot", str(runs_[0]), str(runs_[1]), "--plot-out", str(tmp_path / "both.png")])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "both.png")
+    assert (tmp_path / "both.png").stat().st_size > 10_000
+    train.main(["--plot", str(runs_[1])])                 # one run: its own curves.png, as before
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(runs_[1] / "curves.png")
+    with pytest.raises(SystemExit, match="metrics.jsonl not found"):
+        train.main(["--plot", str(tmp_path / "nowhere")])

@@ -176,10 +176,9 @@ class Encoder:
                              "holding a Hugging Face encoder (config, weights, tokenizer)") from None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device).eval()
-        if bf16 is None:  # AMX / AVX512-BF16 CPUs and recent GPUs run bf16 much faster than fp32
-            bf16 = (torch.cuda.is_bf16_supported() if self.device.type == "cuda"
-                    else torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        self.bf16 = bf16
+        # AMX / AVX512-BF16 CPUs and recent GPUs run bf16 much faster than fp32
+        from plumbing.fast_hf import bf16_supported   # torch and transformers only when encoding
+        self.bf16 = bf16_supported(self.device) if bf16 is None else bf16
         self.max_length = max_length
         # e5 models were trained with these prefixes; Search-R1 uses them with e5-base-v2.
         self.prefixes = {"query": "query: ", "passage": "passage: "} if "e5" in Path(path).name.lower() else {}

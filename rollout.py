@@ -406,7 +406,7 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         raise ValueError(f"unknown prompt template {cfg.template!r}: use one of {', '.join(TEMPLATES)}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below max_context ({cfg.max_context})")
-    fast_hf.share_kv_heads_on_cpu()
+    fast_hf.speed_up_cpu_attention()
     timing = {"generate": 0.0, "retrieval": 0.0}
     episodes = []
     device = next(model.parameters()).device

@@ -1,7 +1,9 @@
-"""Speed-ups of Hugging Face internals, each exact (same numbers as the plain path, tested):
+"""Speed-ups of Hugging Face internals, each exact (same numbers as the plain path, tested),
+but for decode-step attention on CPU, which runs in float32 instead of bf16:
 
 * `autocast`: the one bf16 check: autocast on CUDA and on CPUs with native bf16 units;
-* `share_kv_heads_on_cpu`: SDPA's own grouped-query attention instead of HF repeating K/V heads;
+* `speed_up_cpu_attention`: SDPA's own grouped-query attention instead of HF repeating K/V
+  heads, and decode-step attention in float32 under CPU bf16 autocast;
 * `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
 * `hidden_states`: the prompt prefix that all rows share runs once, then is expanded;
 * `head_logprobs`: the LM head on model tokens only, in checkpointed chunks;
@@ -31,15 +33,21 @@ def autocast(device: torch.device, enabled: bool = True):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and bf16_supported(device))
 
 
-def share_kv_heads_on_cpu() -> None:
-    """Let torch's SDPA share K/V heads (grouped-query attention) on CPU instead of HF copying them.
+def speed_up_cpu_attention() -> None:
+    """Two process-wide switches for SDPA attention on CPU tensors (GPUs keep HF's choices):
 
-    HF's sdpa path repeats every K/V head (3x for SmolLM2) whenever an attention mask is given,
-    which is always here (the cache has holes). On CPU, SDPA with enable_gqa=True gives the same
-    numbers and is ~4x faster per layer at 16 rows x 900 tokens. A process-wide switch for CPU
-    tensors only (train.py's CPU forward passes benefit too); GPUs keep HF's choice.
+    * K/V heads are shared by SDPA itself (enable_gqa) instead of HF repeating them (3x for
+      SmolLM2) whenever an attention mask is given, which is always in rollouts (the cache has
+      holes): the same numbers, ~4x faster per layer at 16 rows x 900 tokens;
+    * a decode step (one query token) under bf16 autocast runs its attention in float32: under
+      autocast SDPA casts the query and the WHOLE key/value cache to bf16 at every step and runs
+      the CPU bf16 kernel, which at one query token was 4-5x slower than float32 (26 vs 6 ms for
+      32 rows x 400 positions). Projections and MLPs stay in bf16; prefill and training are
+      unchanged (many query tokens, where the bf16 kernel pays).
     """
+    from transformers import AttentionInterface
     from transformers.integrations import sdpa_attention
+
     original = sdpa_attention.use_gqa_in_sdpa
     if getattr(original, "shares_on_cpu", False):
         return
@@ -47,8 +55,16 @@ def share_kv_heads_on_cpu() -> None:
     def use_gqa(attention_mask, key, value):
         return (key.device.type == "cpu" and key.shape[-1] == value.shape[-1]) or original(attention_mask, key, value)
 
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if query.device.type == "cpu" and query.shape[-2] == 1 and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return sdpa_attention.sdpa_attention_forward(module, query.float(), key.float(), value.float(),
+                                                             attention_mask, **kwargs)
+        return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
     use_gqa.shares_on_cpu = True
     sdpa_attention.use_gqa_in_sdpa = use_gqa
+    AttentionInterface.register("sdpa", attention)
 
 
 class GrowingLayer(DynamicLayer):

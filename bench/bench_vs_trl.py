@@ -17,7 +17,7 @@ too) / update. Completion lengths differ a little: our rollout stops at </answer
 generate only at EOS; the table shows both.
 
     .venv/bin/python bench/bench_vs_trl.py                               # both workloads, 2 rounds x 2 steps
-    .venv/bin/python bench/bench_vs_trl.py --workload fewshot --rounds 1 --steps 1
+    .venv/bin/python bench/bench_vs_trl.py --workload fewshot --rounds 1 --steps 1 --threads 1
     .venv/bin/python bench/bench_vs_trl.py --tiny                        # a tiny random model (smoke run)
 """
 import argparse
@@ -129,7 +129,10 @@ def run_trl(workload: dict, steps: int, tiny: bool, out_dir: Path) -> list[dict]
     return [{**r, "completion_tokens": n} for r, n in zip(results, lengths)]
 
 
-def child(side: str, workload: str, steps: int, tiny: bool, out: Path) -> None:
+def child(side: str, workload: str, steps: int, tiny: bool, threads: int, out: Path) -> None:
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         run = run_ours if side == "ours" else run_trl
         result = run(WORKLOADS[workload], steps, tiny, Path(tmp))
@@ -147,11 +150,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternations ours / TRL per workload")
     parser.add_argument("--steps", type=int, default=2, help="steps per side per round (each its own process)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the script, times nothing")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = torch's default); "
+                        "1 wastes less time in thread barriers when other jobs share the cores")
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)   # child process
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
-        return child(args.side, args.workload[0], args.steps, args.tiny, args.out)
+        return child(args.side, args.workload[0], args.steps, args.tiny, args.threads, args.out)
 
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +166,7 @@ def main(argv=None) -> None:
                 for side in ("ours", "trl"):
                     out = Path(tmp) / f"{workload}-{side}-{rnd}.json"
                     cmd = [sys.executable, __file__, "--side", side, "--workload", workload, "--steps",
-                           str(args.steps), "--out", str(out)] + ["--tiny"] * args.tiny
+                           str(args.steps), "--threads", str(args.threads), "--out", str(out)] + ["--tiny"] * args.tiny
                     t = time.perf_counter()
                     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     result = json.loads(out.read_text())

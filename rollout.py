@@ -362,7 +362,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
         observations = _observations(tokenizer, retriever, actions, cfg, timing) if can_search else {}
         # 4. Append observations (or the invalid-action message) to the rows that go on.
         t0 = time.perf_counter()
-        keep, pending = [], []
+        going_on, pending = [], []
         for row, (e, (kind, query)) in enumerate(zip(active, actions)):
             ep = episodes[e]
             if kind == "answer":
@@ -379,12 +379,12 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             if len(ep.ids) + len(forced) >= cfg.max_context:  # no room to append and still generate
                 continue
             ep.append(forced, FORCED)
-            keep.append(row)
+            going_on.append(row)
             pending.append([new_ids[row][-1]] + forced)  # the last sampled token is not cached yet
-        if not keep:
+        if not going_on:
             break
-        kv.keep_rows(keep)
-        active = [active[i] for i in keep]
+        kv.keep_rows(going_on)
+        active = [active[i] for i in going_on]
         logits = kv.feed_padded(pending)
     timing["generate"] += time.perf_counter() - t0
     return episodes

@@ -230,7 +230,7 @@ def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
     return {k: v[idx, :length].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
 
 
-def minibatches(n: int, cfg: Config) -> list[list[torch.Tensor]]:
+def shuffle_into_minibatches(n: int, cfg: Config) -> list[list[torch.Tensor]]:
     """Shuffle n trajectories into mini-batches, each a list of micro-batch index tensors. The
     old-log-prob pass runs the same micro-batches, so in the first mini-batch the update sees
     exactly the rows and shapes the old pass saw: ratio == 1 there bit for bit."""
@@ -239,12 +239,12 @@ def minibatches(n: int, cfg: Config) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, plan, cfg, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of all trajectories, micro-batch by micro-batch as in `plan`
+def batch_logprobs(model, batch, minibatches, cfg, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of all trajectories, micro-batch by micro-batch as in `minibatches`
     -> (logp, entropy): (N, T) float32 on the CPU, aligned with batch["input_ids"]."""
     n, t = batch["input_ids"].shape
     logp, ent = torch.zeros(n, t), torch.zeros(n, t)
-    for micro in (mu for mb in plan for mu in mb):
+    for micro in (mu for mb in minibatches for mu in mb):
         r = micro_batch(batch, micro, device)
         with fast_hf.autocast(device, cfg.bf16):
             lp, e = token_logprobs(model, r["input_ids"], r["attention_mask"], r["loss_mask"], cfg.temperature,
@@ -284,11 +284,11 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
              "advantages": group_advantages(rewards, group_ids)}                           # (N,)
 
     # 3. Old (rollout-policy) and reference log-probs, in the micro-batches the update will use.
-    plan = minibatches(len(records), cfg)
+    minibatches = shuffle_into_minibatches(len(records), cfg)
     with phases("logprob", release=False):
-        batch["old_logp"], old_entropy = batch_logprobs(model, batch, plan, cfg, device)  # (N, T)
+        batch["old_logp"], old_entropy = batch_logprobs(model, batch, minibatches, cfg, device)  # (N, T)
         if ref is not None:
-            batch["ref_logp"] = batch_logprobs(ref, batch, plan, cfg, device)[0]
+            batch["ref_logp"] = batch_logprobs(ref, batch, minibatches, cfg, device)[0]
 
     # 4. One AdamW step per mini-batch; micro-batches accumulate gradients. The mini-batch loss
     #    is a token-mean over the whole mini-batch, so each micro-batch's mean is weighted by its
@@ -298,7 +298,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     logged, norms = [], []
     model.train()  # no dropout in these models; needed for gradient checkpointing to engage
     with phases("update"):
-        for mini in plan:
+        for mini in minibatches:
             optimizer.zero_grad(set_to_none=True)
             idx = torch.cat(mini)
             mini_tokens = batch["loss_mask"][idx].sum().clamp(min=1)
@@ -339,7 +339,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                "llds/answer_weight": beta, "lld/displacement_correct": None, "lld/frac_correct_fell": None}
     if cfg.displacement_every and step % cfg.displacement_every == 0:
         with phases("logprob", release=False):
-            metrics.update(displacement(model, batch, plan, rewards > 0, batch["old_logp"], cfg, device))
+            metrics.update(displacement(model, batch, minibatches, rewards > 0, batch["old_logp"], cfg, device))
     metrics.update({f"timing/{k}": v for k, v in phases.seconds.items()})
     metrics.update({"timing/retrieval": out.timing["retrieval"], "timing/step": sum(phases.seconds.values()),
                     "rollout_tokens_per_s": out.n_generated / max(out.timing["generate"], 1e-9)})
@@ -392,12 +392,12 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
 
 
 @torch.no_grad()
-def displacement(model, batch, plan, correct, old_logp, cfg, device) -> dict:
+def displacement(model, batch, minibatches, correct, old_logp, cfg, device) -> dict:
     """Likelihood displacement of the correct responses (correct: (N,) bool) caused by this
     step's updates: summed log-prob after minus before, one extra no-grad forward. "After" runs
-    the very micro-batches of `plan` that computed `old_logp`, so unchanged weights give exactly
+    the very micro-batches of `minibatches` that computed `old_logp`, so unchanged weights give exactly
     0 (regrouped rows moved sums by up to 0.32 nats in bf16)."""
-    micros = [mu for mb in plan for mu in mb if correct[mu].any()]
+    micros = [mu for mb in minibatches for mu in mb if correct[mu].any()]
     if not micros:
         return {"lld/displacement_correct": None, "lld/frac_correct_fell": None}
     after, _ = batch_logprobs(model, batch, [micros], cfg, device)

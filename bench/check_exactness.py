@@ -41,7 +41,7 @@ def main():
         out = ro.rollout(model, tokenizer, records, search, train.rollout_config(cfg))
         batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                  "loss_mask": out.loss_mask, "answer_mask": out.answer_mask}
-        plan = train.minibatches(len(records), cfg)
+        plan = train.shuffle_into_minibatches(len(records), cfg)
         for ckpt in (False, True):
             cfg.grad_checkpointing = ckpt
             if ckpt:

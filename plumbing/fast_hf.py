@@ -203,11 +203,10 @@ class KVBatch:
 
     def start(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill the prompts: their common prefix once (expanded to every row), then each rest."""
-        shared = 0
-        if len(prompts) > 1:
-            shortest = min(len(p) for p in prompts)
-            while shared < shortest - 1 and all(p[shared] == prompts[0][shared] for p in prompts):
-                shared += 1
+        shared, shortest = 0, min(len(p) for p in prompts)
+        if len(prompts) > 1 and shortest > 1:   # at least one token of each row runs on its own
+            ids = torch.tensor([p[:shortest] for p in prompts])
+            shared = min(shared_prefix_len(ids, torch.ones_like(ids)), shortest - 1)
         if shared:
             self.feed_padded([prompts[0][:shared]])
             self.cache.batch_repeat_interleave(len(prompts))

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from bench import gpu_check  # noqa: E402
+from plumbing.models import TINY_QWEN2, random_qwen2  # noqa: E402
 from integrations.trl_llds import LLDSGRPOTrainer  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def chat_tokenizer():
 
 
 def tiny_model(tokenizer, seed=0):
-    return gpu_check.random_model(gpu_check.TINY, len(tokenizer), torch.device("cpu"), seed)
+    return random_qwen2(TINY_QWEN2, len(tokenizer), torch.device("cpu"), seed)
 
 
 def config(out_dir, **overrides):

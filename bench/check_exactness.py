@@ -8,7 +8,7 @@ Rolls out a few toy questions with the embedded SmolLM2-135M, then, with the wei
   * the displacement monitor (train.displacement) with no update in between: its per-response
     sums must all be 0.
 
-    .venv/bin/python bench/check_exactness.py [--questions 8]
+    .venv/bin/python bench/check_exactness.py [--questions N]
 """
 import argparse
 import sys

@@ -22,13 +22,7 @@ KEYS = ["reward", "em", "response_length", "searches", "valid_action_ratio", "en
         "timing/logprob", "timing/update", "timing/step", "memory/peak_gb"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: thread start-up costs more than the maths, and is 10x worse on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def tiny_config(tmp_path, **overrides):

@@ -28,12 +28,7 @@ import tiny_trl  # tests/tiny_trl.py (pytest puts tests/ on the path; verl ships
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def penalised_hinge(logp, old_logp, advantages, mask):

@@ -6,28 +6,17 @@ import math
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import data
+from plumbing.models import byte_tokenizer
 import eval as ev
 from retriever import open_retriever
 
 
 # ----------------------------------------------------------------------------------------------
-# Helpers: a byte-level tokenizer built offline, a scripted policy, a fixed retriever
+# Helpers: a scripted policy, a fixed retriever (the byte-level tokenizer is plumbing.models')
 # ----------------------------------------------------------------------------------------------
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """256 byte tokens + <eos>: any text encodes, no training, no download."""
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>",
-                                   padding_side="left")
-
 
 class _Cache:
     """Stands in for the KV cache: remembers each row's real tokens."""

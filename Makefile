@@ -21,7 +21,8 @@ train: .venv/done
 test: .venv/done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
 
-# Plain GRPO vs GRPO + LLDS from the same seed, data and settings, then one overlaid figure.
+# Plain GRPO vs GRPO + LLDS from the same seed, data and settings, then one overlaid figure and
+# the README's table rows.
 # Both arms pass --resume: a killed comparison continues where it stopped, a finished one is redrawn.
 # The setting gives plain GRPO room to displace: 8 updates per rollout batch at lr 5e-5.
 SEED ?= 0
@@ -30,5 +31,6 @@ compare: .venv/done
 	$(PY) train.py --name compare-grpo-s$(SEED) --seed $(SEED) --no-llds --resume $(COMPARE) $(ARGS)
 	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)
 	$(PY) train.py --plot runs/compare-grpo-s$(SEED) runs/compare-llds-s$(SEED) --plot-out runs/compare-s$(SEED).png
+	$(PY) bench/lld_table.py runs/compare-grpo-s$(SEED) runs/compare-llds-s$(SEED)
 
 .PHONY: setup train test compare

@@ -320,6 +320,23 @@ def test_shared_first_search_counts_correct_incorrect_pairs_of_a_group():
     assert train.shared_first_search(episodes[4:6], correct[4:6], groups[4:6]) is None
 
 
+def test_rollout_stats_mean_log_likelihood_of_correct_and_incorrect_responses():
+    from types import SimpleNamespace
+    ep = lambda em, q: {"em": em, "f1": em, "n_search": 1, "n_valid": 1, "finished": True,  # noqa: E731
+                        "queries": [q]}
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    old = torch.tensor([[9., -1., -3., 9.], [9., -2., -2., -5.], [9., -4., 9., 9.], [9., 9., 9., 9.]])
+    out = SimpleNamespace(episodes=[ep(1.0, "a"), ep(0.0, "a"), ep(0.0, "b"), ep(0.0, "a")],
+                          loss_mask=mask, logp=old.clone())
+    stats = train.rollout_stats(out, old, torch.tensor([1., 0., 0., 0.]), torch.tensor([0, 0, 0, 0]))
+    # correct: row 0, mean(-1, -3) = -2. incorrect with tokens: rows 1, 2 -> mean(-3, -4) = -3.5
+    # (row 3 has no model tokens and is left out). Pairs (0,1), (0,2), (0,3): one shares "a" with
+    # a row that has tokens, row 3 also searched "a" -> 2 of 3.
+    assert stats["lld/logp_correct"] == -2.0 and stats["lld/logp_incorrect"] == -3.5
+    assert stats["lld/shared_first_search"] == pytest.approx(2 / 3)
+    assert stats["rollout/logp_diff"] == 0.0 and stats["reward"] == 0.25
+
+
 def test_prompt_sampler_resumes_mid_epoch():
     records = [{"id": str(i)} for i in range(5)]
     a = runs.PromptSampler(records, seed=3)

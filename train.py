@@ -46,7 +46,7 @@ from llds import action_ids, llds_loss, preserving_responses
 from plumbing import fast_hf, runs
 from plumbing.cli import check_config, parse_train_args
 from plumbing.models import load_policy, reference_copy
-from plumbing.memory import limit_heap_fragmentation, peak_memory_gb
+from plumbing.memory import reuse_freed_memory, peak_memory_gb
 from plumbing.plots import plot_runs
 
 # ---- Configuration -------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class Config:
     spiral_window: int = 5             # warn when correct-response log-lik falls this many steps in a row
     spiral_grad_factor: float = 10.0   # warn when the grad norm exceeds this times its running median
     eval_every: int = 0                # held-out evaluation every N steps; 0 = only before and after training
-    eval_size: int = 100               # held-out questions (fixed subset, greedy decoding); 0 = no evaluation
+    eval_size: int = 50                # held-out questions (fixed subset, greedy decoding); 0 = no evaluation
     eval_max_turns: int = 2            # search turns at evaluation (paper: 4)
     ckpt_every: int = 5                # checkpoint every N steps (and always at the end); 0 = only at the end
     keep_ckpts: int = 2                # checkpoints kept on disk (older ones are deleted)
@@ -421,7 +421,7 @@ def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
 def setup(cfg: Config, model=None, tokenizer=None):
     """Everything a run needs; user errors (paths, flags, servers) raise ValueError / SystemExit."""
     check_config(cfg)
-    limit_heap_fragmentation()
+    reuse_freed_memory()
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     run_dir = runs.prepare_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume)

@@ -12,7 +12,7 @@ Columns, all read from the training metrics (no re-running):
 - entropy: first step -> last step; grad norm (max over a step's updates): first step -> the
   largest of the last 5 steps (a step whose groups all tie has no gradient: norm 0);
 - collapse: the first step from which the 5-step mean reward stays below half its best earlier
-  value (best >= 0.1) while entropy is above 1.5x its first value; "-" when that never happens;
+  value while entropy is above 1.5x its first value; "-" when that never happens;
 - s/step: mean seconds of a training step (held-out evaluation excluded).
 """
 import argparse
@@ -41,7 +41,7 @@ def collapse_step(lines):
     best = 0.0
     for i in range(4, len(lines)):
         avg = statistics.fmean(rewards[i - 4:i + 1])
-        if best >= 0.1 and avg < best / 2 and lines[i]["entropy"] > 1.5 * entropy0:
+        if best > 0 and avg < best / 2 and lines[i]["entropy"] > 1.5 * entropy0:
             return lines[i]["step"]
         best = max(best, avg)
     return None

@@ -9,7 +9,7 @@ PANELS = [("training reward (-), held-out EM (--)", ["reward", "eval/em"]),
           ("displacement of correct responses (after - before)", ["lld/displacement_correct"]),
           ("LLDS active token fraction", ["llds/active_token_frac"]),
           ("entropy", ["entropy"]),
-          ("grad norm (max over the step's updates)", ["grad_norm_max"]),
+          ("grad norm (max over the step's updates; 0 not drawn)", ["grad_norm_max"]),
           ("searches per episode", ["searches"]),
           ("correct/incorrect pairs sharing the first query", ["lld/shared_first_search"])]
 STYLES = ["-", "--"]
@@ -21,6 +21,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.exists():
         raise SystemExit(f"error: {path} not found; pass the folder of a run (e.g. runs/demo)")
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def series(lines: list[dict], key: str, positive_only=False) -> list[tuple]:
+    """(step, value) of the lines that logged `key`; positive_only for a log-scale panel."""
+    return [(l["step"], l[key]) for l in lines if l.get(key) is not None and (not positive_only or l[key] > 0)]
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -52,8 +57,9 @@ def plot_runs(run_dirs, out=None) -> Path:
     fig, axes = plt.subplots(2, 4, figsize=(19, 8))
     for colour, (lines, label) in enumerate(zip(runs, run_labels(run_dirs))):
         for ax, (title, keys) in zip(axes.flat, PANELS):
+            log = title.startswith("grad norm")       # a step whose groups all tie has norm 0
             for key, style in zip(keys, STYLES):
-                points = [(l["step"], l[key]) for l in lines if l.get(key) is not None]
+                points = series(lines, key, positive_only=log)
                 if points:
                     ax.plot(*zip(*points), style, color=f"C{colour}", marker="o", markersize=3,
                             label=label if ax is axes.flat[0] and style == "-" else None)

@@ -404,3 +404,9 @@ def test_plot_overlays_runs_and_names_the_settings_that_differ(tmp_path, alterna
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(runs_[1] / "curves.png")
     with pytest.raises(SystemExit, match="metrics.jsonl not found"):
         train.main(["--plot", str(tmp_path / "nowhere")])
+
+
+def test_log_scale_panel_leaves_out_zero_grad_norms():
+    lines = [{"step": 0, "eval/em": 0.2}, {"step": 1, "grad_norm_max": 2.0}, {"step": 2, "grad_norm_max": 0.0}]
+    assert plots.series(lines, "grad_norm_max") == [(1, 2.0), (2, 0.0)]
+    assert plots.series(lines, "grad_norm_max", positive_only=True) == [(1, 2.0)]

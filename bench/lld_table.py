@@ -16,9 +16,12 @@ Columns, all read from the training metrics (no re-running):
 - s/step: mean seconds of a training step (held-out evaluation excluded).
 """
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from plumbing.plots import read_metrics  # noqa: E402
 
 
 def longest_fall(points):
@@ -48,7 +51,7 @@ def collapse_step(lines):
 
 
 def row(run_dir: Path) -> str:
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    lines = read_metrics(run_dir)
     train = [l for l in lines if "reward" in l]
     evals = [(l["step"], l["eval/em"]) for l in lines if l.get("eval/em") is not None]
     logp = [(l["step"], l["lld/logp_correct"]) for l in train if l.get("lld/logp_correct") is not None]

@@ -11,7 +11,7 @@ Columns, all read from the training metrics (no re-running):
   before the step's updates, mean over the correct responses) and its step;
 - entropy: first step -> last step; grad norm (max over a step's updates): first step -> the
   largest of the last 5 steps (a step whose groups all tie has no gradient: norm 0);
-- collapse: the first step from which the 5-step mean reward stays below half its best earlier
+- collapse: the first step at which the 5-step mean reward is below half its best earlier
   value while entropy is above 1.5x its first value; "-" when that never happens;
 - s/step: mean seconds of a training step (held-out evaluation excluded).
 """

@@ -25,7 +25,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def series(lines: list[dict], key: str, positive_only=False) -> list[tuple]:
     """(step, value) of the lines that logged `key`; positive_only for a log-scale panel."""
-    return [(l["step"], l[key]) for l in lines if l.get(key) is not None and (not positive_only or l[key] > 0)]
+    return [(l["step"], l[key]) for l in lines
+            if l.get(key) is not None and (not positive_only or l[key] > 0)]
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

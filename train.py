@@ -73,7 +73,7 @@ class Config:
     max_context: int = 4096            # prompt + turns + observations
     temperature: float = 0.7           # sampling temperature of the rollouts (log-probs use the same; paper: 1.0)
     top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off
-    steps: int = 6                     # training steps (one rollout batch each)
+    steps: int = 5                     # training steps (one rollout batch each)
     prompts_per_step: int = 8          # questions per step
     group_size: int = 4                # rollouts per question (GRPO group, G)
     mini_batch_size: int = 16          # trajectories per optimizer step; < prompts x G gives several updates per step

@@ -23,11 +23,11 @@ loss mask 0, exact-match reward). Deng et al. (arXiv 2512.04220) train it with G
 
 Simplified on purpose: one process, one device (no FSDP, no vLLM: rollout.py samples with the
 training model's own KV cache); fp32 master weights with bf16 autocast (bf16 weights would round
-away updates of lr 1e-6); old log-probs are recomputed in a separate pass, as veRL does; the
-learning-rate schedule is warm-up then constant, stepped once per training step; log-probs are
-lm_head(hidden) on model tokens only (fine for Llama / Qwen / SmolLM; models with logit
-soft-capping or scaling would need that added). Checkpoints, logs, plots, memory and HF speed-ups
-live in plumbing/, one call each.
+away updates of lr 1e-6); old log-probs are recomputed in a separate pass, as veRL does, but for
+the first mini-batch, whose update pass (the policy has not moved yet) gives them; the schedule is
+warm-up then constant, stepped once per training step; log-probs are lm_head(hidden) on model
+tokens only (fine for Llama / Qwen / SmolLM; logit soft-capping or scaling would need adding).
+Checkpoints, logs, plots, memory and HF speed-ups live in plumbing/, one call each.
 """
 import dataclasses
 import json
@@ -178,10 +178,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, clip=0.2, agg="token-mean
     # Zero the log-ratio outside the mask before exp, so garbage there stays out of the grad.
     log_ratio = torch.where(valid, logp - old_logp.detach(), 0.0)   # (B, T)
     ratio = torch.exp(log_ratio)
-    if advantages.dim() == 1:
-        adv = advantages[:, None]
-    else:
-        adv = torch.where(valid, advantages, 0.0)
+    adv = advantages[:, None] if advantages.dim() == 1 else torch.where(valid, advantages, 0.0)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
     per_token = torch.maximum(unclipped, clipped)                    # (B, T)
@@ -232,8 +229,7 @@ def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
 
 def shuffle_into_minibatches(n: int, cfg: Config) -> list[list[torch.Tensor]]:
     """Shuffle n trajectories into mini-batches, each a list of micro-batch index tensors. The
-    old-log-prob pass runs the same micro-batches, so in the first mini-batch the update sees
-    exactly the rows and shapes the old pass saw: ratio == 1 there bit for bit."""
+    old-log-prob pass runs the same micro-batches, so every pass sees the same rows and shapes."""
     perm = torch.randperm(n)
     return [list(mb.split(cfg.micro_batch_size)) for mb in perm.split(cfg.mini_batch_size)]
 
@@ -286,7 +282,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     # 3. Old (rollout-policy) and reference log-probs, in the micro-batches the update will use.
     minibatches = shuffle_into_minibatches(len(records), cfg)
     with phases("logprob", release=False):
-        batch["old_logp"], old_entropy = batch_logprobs(model, batch, minibatches, cfg, device)  # (N, T)
+        batch["old_logp"], old_entropy = batch_logprobs(model, batch, minibatches[1:], cfg, device)  # (N, T)
         if ref is not None:
             batch["ref_logp"] = batch_logprobs(ref, batch, minibatches, cfg, device)[0]
 
@@ -298,7 +294,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     logged, norms = [], []
     model.train()  # no dropout in these models; needed for gradient checkpointing to engage
     with phases("update"):
-        for mini in minibatches:
+        for i, mini in enumerate(minibatches):
             optimizer.zero_grad(set_to_none=True)
             idx = torch.cat(mini)
             mini_tokens = batch["loss_mask"][idx].sum().clamp(min=1)
@@ -310,6 +306,10 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                 with fast_hf.autocast(device, cfg.bf16):
                     logp, entropy = token_logprobs(model, r["input_ids"], r["attention_mask"], mask,
                                                    cfg.temperature, share_prefix=not cfg.grad_checkpointing)
+                if i == 0:                            # on-policy: the old log-probs are these, bit for bit
+                    r["old_logp"] = logp.detach()
+                    batch["old_logp"][micro, :logp.shape[1]], old_entropy[micro, :logp.shape[1]] = \
+                        logp.detach().cpu(), entropy.detach().cpu()
                 pg, pg_stats = policy_loss(logp, r["old_logp"], adv, mask, clip=cfg.clip_eps)
                 loss = (pg - cfg.entropy_coef * masked_mean(entropy, mask)) * token_share
                 kl = masked_mean(kl_k3(logp, r["ref_logp"]), mask) if ref is not None else None

@@ -246,7 +246,9 @@ def test_equal_weights_give_equal_logprobs_on_every_path(tmp_path, alternating_r
                       kl_coef=0.1, bf16=bf16, grad_checkpointing=grad_checkpointing)
     train.train(cfg, model, tokenizer)
     line = step_lines(tmp_path / "run")[0]
-    assert seen == [0.0, 0.0]                          # the first (and second) mini-batch: ratio == 1
+    # mini-batch 1 takes its old log-probs from its own update pass; mini-batch 2 compares the
+    # no-grad old pass with the update pass, and the displacement pass compares with both
+    assert seen == [0.0, 0.0]
     assert line["clip_ratio"] == 0 and line["ppo_kl"] == 0 and line["kl"] == 0
     assert line["llds/active_token_frac"] == 0 and line["llds/loss"] == 0
     assert line["lld/displacement_correct"] == 0 and line["lld/frac_correct_fell"] == 0

@@ -3,13 +3,14 @@ per run, the legend naming each run and the settings in which the runs differ.""
 import json
 from pathlib import Path
 
+GRAD_NORM = "grad norm (max over the step's updates; 0 not drawn)"   # log scale; all-tied steps have norm 0
 # (title, [(metric key, line style)]): solid = the first key, dashed = the second.
 PANELS = [("training reward (-), held-out EM (--)", ["reward", "eval/em"]),
           ("mean token log-lik, correct (-) / incorrect (--)", ["lld/logp_correct", "lld/logp_incorrect"]),
           ("displacement of correct responses (after - before)", ["lld/displacement_correct"]),
           ("LLDS active token fraction", ["llds/active_token_frac"]),
           ("entropy", ["entropy"]),
-          ("grad norm (max over the step's updates; 0 not drawn)", ["grad_norm_max"]),
+          (GRAD_NORM, ["grad_norm_max"]),
           ("searches per episode", ["searches"]),
           ("correct/incorrect pairs sharing the first query", ["lld/shared_first_search"])]
 STYLES = ["-", "--"]
@@ -58,14 +59,13 @@ def plot_runs(run_dirs, out=None) -> Path:
     fig, axes = plt.subplots(2, 4, figsize=(19, 8))
     for colour, (lines, label) in enumerate(zip(runs, run_labels(run_dirs))):
         for ax, (title, keys) in zip(axes.flat, PANELS):
-            log = title.startswith("grad norm")       # a step whose groups all tie has norm 0
             for key, style in zip(keys, STYLES):
-                points = series(lines, key, positive_only=log)
+                points = series(lines, key, positive_only=title == GRAD_NORM)
                 if points:
                     ax.plot(*zip(*points), style, color=f"C{colour}", marker="o", markersize=3,
                             label=label if ax is axes.flat[0] and style == "-" else None)
     for ax, (title, _) in zip(axes.flat, PANELS):
-        if title.startswith("grad norm") and ax.lines:
+        if title == GRAD_NORM and ax.lines:
             ax.set_yscale("log")
         if title.startswith("displacement"):
             ax.axhline(0.0, color="grey", linewidth=0.8)     # below 0: the correct ones fell

@@ -21,6 +21,9 @@ dump. None of that fits an offline CPU demo, so this file also offers a syntheti
   JSONL, or a `<root>/<dataset>/<split>.jsonl` folder. All give the same Record:
   `{"id", "question", "golds", "data_source"}` (+ optional keys such as `support`).
   `load_question_sets` reads several sources and keeps the first N of every data_source.
+  Everything is checked here, at load: a line that is not UTF-8, not JSON or not a record, and
+  a file without questions, stop with a ValueError naming the file and line (a BOM, CRLF line
+  ends and blank lines are fine). Prompt lengths are checked by rollout.drop_long_prompts.
 """
 from __future__ import annotations
 
@@ -87,15 +90,25 @@ def corpus_for(sources: list[str], retriever: str, corpus: str | None = None) ->
 # ----------------------------------------------------------------------------------------------
 
 def _read_jsonl(path: Path):
-    """Yields (line number, parsed object); errors name the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    """Yields (line number, parsed object) of every non-blank line; any line that cannot be read
+    (bytes that are not UTF-8, bad JSON, nesting too deep) is a ValueError naming file and line.
+    Lines end at b"\\n" only, as an editor counts them; a UTF-8 BOM and CRLF line ends are fine."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
+                obj = json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{path}: line {n}: JSON nested too deep") from None
+            except ValueError as e:                   # bad JSON, or an integer of 4,300+ digits
+                raise ValueError(f"{path}: line {n}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            yield n, obj
 
 
 def _as_golds(value) -> list | None:
@@ -108,16 +121,31 @@ def _as_golds(value) -> list | None:
     return None
 
 
+def _is_text(value) -> bool:
+    """A non-blank string that can be written as UTF-8 (JSON's "\\ud800" escape gives one that cannot)."""
+    if not isinstance(value, str) or not value.strip():
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _record(raw, where: str, default_source: str, default_id: str) -> Record:
     """Validate one FlashRAG / own-format record into a Record; errors say where it came from."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     question = raw.get("question")
-    if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{where}: missing or empty 'question'")
+    if not _is_text(question):
+        raise ValueError(f"{where}: 'question' is missing, empty or not valid text")
     golds = _as_golds(raw["golds"] if "golds" in raw else raw.get("golden_answers"))
-    if not golds or not all(isinstance(g, str) and g.strip() for g in golds):
+    if not golds or not all(_is_text(g) for g in golds):
         raise ValueError(f"{where}: needs a non-empty list of answer strings in 'golds' or 'golden_answers'")
+    if raw.get("id") is not None and (not isinstance(raw["id"], (str, int)) or isinstance(raw["id"], bool)):
+        raise ValueError(f"{where}: 'id' must be a string or an integer, got {type(raw['id']).__name__}")
+    if raw.get("data_source") and not _is_text(raw["data_source"]):
+        raise ValueError(f"{where}: 'data_source' must be a non-empty string, got {raw['data_source']!r:.40}")
     source = raw.get("data_source") or default_source
     record = {k: v for k, v in raw.items() if k != "golden_answers"}
     record.update(id=str(raw["id"]) if raw.get("id") is not None else default_id.format(source=source),
@@ -139,38 +167,52 @@ def question_from_prompt(prompt) -> str:
     if isinstance(prompt, str):
         text = prompt
     else:
-        messages = list(prompt) if prompt is not None else []  # a list, or a numpy array via pandas
-        users = [m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        text = users[-1] if users else ""
+        messages = list(prompt) if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist") else []
+        users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        text = users[-1] if users and isinstance(users[-1], str) else ""
     return text.rsplit("Question:", 1)[-1].strip()
+
+
+def _field(row, *keys):
+    """row[k1][k2]..., None where a level is missing or not a dict."""
+    for key in keys:
+        row = row.get(key) if isinstance(row, dict) else None
+    return row
 
 
 def searchr1_record(row: dict, where: str, default_source: str, row_index: int) -> Record:
     """One Search-R1 parquet row ({data_source, prompt, reward_model, extra_info}) as a Record."""
-    source = row.get("data_source") or default_source
-    target = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
-    index = (row.get("extra_info") or {}).get("index", row_index)
+    source = _field(row, "data_source") or default_source
+    index = _field(row, "extra_info", "index")
     # Search-R1's merged files number rows per source, hence data_source:index as the id.
-    raw = {"id": f"{source}:{index}", "question": question_from_prompt(row.get("prompt")),
-           "golds": _as_golds(target), "data_source": source}
+    raw = {"id": f"{source}:{row_index if index is None else index}",
+           "question": question_from_prompt(_field(row, "prompt")),
+           "golds": _as_golds(_field(row, "reward_model", "ground_truth", "target")), "data_source": source}
     return _record(raw, where, default_source, "")
 
 
 def _load_parquet(path: Path, limit: int | None, default_source: str) -> list[Record]:
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    rows = pq.read_table(path).to_pylist()[:limit]
+    try:
+        rows = pq.read_table(path).to_pylist()[:limit]
+    except (pyarrow.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
     return [searchr1_record(row, f"{path}: row {n}", default_source, n - 1) for n, row in enumerate(rows, 1)]
 
 
 def _load_file(path: Path, limit: int | None, default_source: str) -> list[Record]:
-    if path.suffix == ".parquet":
-        return _load_parquet(path, limit, default_source)
-    if path.suffix == ".jsonl":
-        return _load_jsonl(path, limit, default_source)
-    raise ValueError(f"{path}: unknown question file type (expected .jsonl or .parquet)")
+    """The records of one .jsonl or .parquet file; a file with none is an error."""
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"{path}: unknown question file type (expected .jsonl or .parquet)")
+    load = _load_parquet if path.suffix == ".parquet" else _load_jsonl
+    records = load(path, limit, default_source)
+    if not records and limit != 0:
+        raise ValueError(f"{path}: no questions in this file")
+    return records
 
 
 def _split_file(folder: Path, split: str) -> Path | None:

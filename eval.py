@@ -16,8 +16,10 @@ search prompt would teach the model to emit `<search>` it is not allowed to use)
 
 Used two ways: `python eval.py ...` prints the table and writes `results.json` +
 `predictions.jsonl` (plumbing/reports.py); `evaluate(...)` returns the same numbers in memory for
-train.py's periodic held-out evaluation. Simplified: scores are EM and token F1 on the last
-`<answer>` only (as the reward); no LLM judge, no per-question-type breakdown.
+train.py's periodic held-out evaluation. A question whose prompt is over `max_prompt_tokens` is
+left out (at load, or after retrieval for a rag prompt) and listed under "dropped" in the results,
+never scored silently. Simplified: scores are EM and token F1 on the last `<answer>` only (as the
+reward); no LLM judge, no per-question-type breakdown.
 """
 from __future__ import annotations
 
@@ -160,7 +162,9 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
 
     cfg: RolloutConfig (default EVAL: greedy, max_turns 4, top-3); rag/direct force max_turns=0.
     retriever: anything with .search(queries, topk); unused (may be None) in direct mode.
-    Returns scores_by_source(examples) plus "examples" (one dict per record, input order),
+    Returns scores_by_source(examples) plus "examples" (one dict per scored record, input order),
+    "dropped" (ids of the records left out because their prompt in this mode is over
+    cfg.max_prompt_tokens: a rag prompt holds passages, so it is known only after retrieval),
     "seconds" and "questions_per_min". The model is put in eval mode and restored afterwards.
     """
     cfg = mode_config(cfg or EVAL, mode)
@@ -169,20 +173,23 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
     cfg = dataclasses.replace(cfg, batch_size=batch_size or cfg.batch_size)
     was_training = model.training
     model.eval()
-    examples, start = [], time.perf_counter()
+    examples, dropped, start = [], [], time.perf_counter()
     try:
         with tqdm(total=len(records), desc=f"eval {mode}", unit="q", disable=not progress) as bar:
             for first in range(0, len(records), cfg.batch_size):
                 chunk = records[first:first + cfg.batch_size]
                 if mode != "search":
                     chunk = with_prompts(chunk, tokenizer, retriever, mode, cfg)
-                episodes = rollout.rollout(model, tokenizer, chunk, retriever, cfg).episodes
-                examples += [_example(r, ep, mode) for r, ep in zip(chunk, episodes)]
-                bar.update(len(chunk))
+                chunk, too_long = rollout.split_long_prompts(chunk, tokenizer, cfg)   # reported, not scored
+                dropped += [r["id"] for r in too_long]
+                if chunk:
+                    episodes = rollout.rollout(model, tokenizer, chunk, retriever, cfg).episodes
+                    examples += [_example(r, ep, mode) for r, ep in zip(chunk, episodes)]
+                bar.update(len(chunk) + len(too_long))
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start
-    return {**scores_by_source(examples), "examples": examples, "seconds": seconds,
+    return {**scores_by_source(examples), "examples": examples, "dropped": dropped, "seconds": seconds,
             "questions_per_min": 60 * len(examples) / seconds if seconds else float("nan")}
 
 
@@ -225,6 +232,7 @@ def setting_of(args, mode: str, cfg, n: int) -> dict:
             + (f", first {args.limit} per source" if args.limit else ""), "questions": n,
             "retriever": retrieval, "topk": cfg.topk if mode != "direct" else "-",
             "max_turns": cfg.max_turns, "max_turn_tokens": cfg.max_turn_tokens,
+            "max_prompt_tokens": cfg.max_prompt_tokens,
             "decoding": "greedy" if cfg.greedy else f"sampling T={cfg.temperature} top_p={cfg.top_p}",
             "prompt": cfg.template if mode == "search" else f"{cfg.template}-{mode} (eval.py)",
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -255,6 +263,10 @@ def parse_args(argv=None):
     p.add_argument("--max-turns", type=int, default=EVAL.max_turns, help="search turns (paper: 4 at evaluation)")
     p.add_argument("--max-turn-tokens", type=int, default=EVAL.max_turn_tokens, help="tokens per turn (paper: 500)")
     p.add_argument("--template", default=EVAL.template, choices=sorted(rollout.TEMPLATES), help="prompt template")
+    p.add_argument("--max-prompt-tokens", type=_positive, default=EVAL.max_prompt_tokens,
+                   help="questions with a longer search prompt are left out at load and listed in the results")
+    p.add_argument("--on-long-prompt", default="drop", choices=rollout.ON_LONG_PROMPT,
+                   help="a prompt over --max-prompt-tokens: drop the question (reported) or stop with an error")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
     p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
@@ -269,8 +281,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     cfg = dataclasses.replace(EVAL, topk=args.topk, max_turns=args.max_turns, template=args.template,
-                              max_turn_tokens=args.max_turn_tokens, greedy=not args.sample,
-                              temperature=args.temperature, top_p=args.top_p)
+                              max_turn_tokens=args.max_turn_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                              greedy=not args.sample, temperature=args.temperature, top_p=args.top_p)
     try:
         records = data.load_question_sets(args.data, args.split, args.limit)
         if not records:
@@ -281,9 +293,12 @@ def main(argv=None) -> None:
                                        index=args.index)
         model, tokenizer = load_policy(resolve_model(args.model), dtype=torch.bfloat16 if args.device == "cuda" else None)
         model.to(args.device)
+        # Checked at load, with the search prompt, so that every mode scores the same questions.
+        records, too_long = rollout.drop_long_prompts(records, tokenizer, cfg, args.on_long_prompt, "questions")
         runs = {}
         for mode in args.mode:
             result = evaluate(model, tokenizer, records, retriever, mode, cfg, args.batch_size, progress=True)
+            result["dropped"] = [r["id"] for r in too_long] + result["dropped"]
             setting = setting_of(args, mode, mode_config(cfg, mode), len(records))
             print(f"\n{format_header(setting)}\n\n{format_table(result)}")
             print(f"{result['questions_per_min']:.1f} questions/min ({result['seconds']:.0f} s)")

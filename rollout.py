@@ -36,6 +36,7 @@ Choices and simplifications:
 """
 from __future__ import annotations
 
+import functools
 import re
 import string
 import time
@@ -43,6 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from plumbing import fast_hf
 from plumbing.fewshot import FEWSHOT_EXAMPLES, FEWSHOT_INSTRUCTION   # the "fewshot" prompt's text
@@ -161,7 +163,13 @@ def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[in
     if template == "search-r1":
         text = SEARCH_R1_TEMPLATE.format(question=question)
         return chat_prompt_ids(tokenizer, text) if tokenizer.chat_template else tokenizer(text)["input_ids"]
+    question_ids = tokenizer(f"Question: {question}\n", add_special_tokens=False)["input_ids"]
+    return list(_fewshot_examples_ids(tokenizer)) + question_ids
 
+
+@functools.lru_cache(maxsize=4)   # the same for every question: tokenised once per tokenizer object
+def _fewshot_examples_ids(tokenizer) -> tuple[int, ...]:
+    """The "fewshot" prompt before the question: instruction and worked examples, as token ids."""
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -177,7 +185,47 @@ def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[in
                 hits = [{"document": {"id": "", "contents": c}} for c in passages]
                 ids += _observation_ids(tokenizer, [format_passages(hits)], max_obs_tokens=10**6)[0]
         ids += encode_in_text(tokenizer, "\n\n")
-    return ids + encode(f"Question: {question}\n")
+    return tuple(ids)
+
+
+def prompt_ids(record: dict, tokenizer, template: str) -> list[int]:
+    """The prompt an episode starts from: the record's own "prompt_ids" (eval.py's rag and direct
+    prompts), else build_prompt(question) in `template`."""
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"])
+    return build_prompt(record["question"], tokenizer, template)
+
+
+ON_LONG_PROMPT = ("drop", "error")   # what drop_long_prompts does with a prompt over max_prompt_tokens
+
+
+def split_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dict]]:
+    """(records whose prompt fits in cfg.max_prompt_tokens, records whose prompt does not), in order."""
+    fits = [len(prompt_ids(r, tokenizer, cfg.template)) <= cfg.max_prompt_tokens
+            for r in tqdm(records, desc="check prompt lengths", unit="q", disable=len(records) < 20_000)]
+    return [r for r, ok in zip(records, fits) if ok], [r for r, ok in zip(records, fits) if not ok]
+
+
+def drop_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig, on_long: str = "drop",
+                      what: str = "questions") -> tuple[list[dict], list[dict]]:
+    """Checks every prompt once, when the data is loaded, so that no run meets a prompt over
+    cfg.max_prompt_tokens hours in (veRL's filter_overlong_prompts does the same).
+    -> (records kept, records dropped). on_long "drop": one printed line says how many were
+    dropped and which ids; "error": a ValueError naming them. Nothing left: a ValueError."""
+    if on_long not in ON_LONG_PROMPT:
+        raise ValueError(f"on-long-prompt must be one of {', '.join(ON_LONG_PROMPT)}, not {on_long!r}")
+    kept, long = split_long_prompts(records, tokenizer, cfg)
+    if long:
+        ids = ", ".join(str(r.get("id")) for r in long[:10]) + (", ..." if len(long) > 10 else "")
+        over = f"a prompt over max_prompt_tokens={cfg.max_prompt_tokens} tokens ({cfg.template} template): {ids}"
+        if on_long == "error":
+            raise ValueError(f"{len(long)} of {len(records)} {what} have {over}; raise --max-prompt-tokens, "
+                             "remove them, or pass --on-long-prompt drop")
+        print(f"dropped {len(long)} of {len(records)} {what} with {over}")
+    if records and not kept:
+        raise ValueError(f"no {what} left: every prompt is over max_prompt_tokens={cfg.max_prompt_tokens}; "
+                         "raise --max-prompt-tokens")
+    return kept, long
 
 
 # ---- Configuration and output -------------------------------------------------------------
@@ -188,7 +236,7 @@ class RolloutConfig:
     topk: int = 3                 # passages per search
     max_turn_tokens: int = 128    # sampled tokens per turn (paper: 500; the CPU demo's answers are short)
     max_obs_tokens: int = 500     # observation cap, closing </information> kept
-    max_prompt_tokens: int = 2048  # longer prompts are an error
+    max_prompt_tokens: int = 2048  # longer prompts are an error in rollout(); drop_long_prompts leaves them out at load
     max_context: int = 4096       # prompt + everything appended; an episode that would exceed it stops
     temperature: float = 1.0      # sampling temperature (ignored when greedy)
     top_p: float = 1.0            # nucleus sampling; 1.0 = off
@@ -323,21 +371,19 @@ def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dic
     return dict(zip(searching, _observation_ids(tokenizer, [format_passages(h) for h in hits], cfg.max_obs_tokens)))
 
 
-def _prompt_ids(tokenizer, records: list[dict], cfg: RolloutConfig) -> list[list[int]]:
-    prompts = []
-    for r in records:
-        ids = list(r["prompt_ids"]) if "prompt_ids" in r else build_prompt(r["question"], tokenizer, cfg.template)
-        if len(ids) > cfg.max_prompt_tokens:
+def _batch_prompts(tokenizer, records: list[dict], cfg: RolloutConfig) -> list[list[int]]:
+    prompts = [prompt_ids(r, tokenizer, cfg.template) for r in records]
+    for r, ids in zip(records, prompts):
+        if len(ids) > cfg.max_prompt_tokens:   # train.py and eval.py drop such records at load
             raise ValueError(f"prompt of record {r.get('id')!r} has {len(ids)} tokens > max_prompt_tokens="
-                             f"{cfg.max_prompt_tokens}; shorten the question or raise the limit")
-        prompts.append(ids)
+                             f"{cfg.max_prompt_tokens}; leave it out first (drop_long_prompts) or raise the limit")
     return prompts
 
 
 def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
                timing: dict) -> list[_Episode]:
     """All turns of one batch of episodes; returns their final states."""
-    prompts = _prompt_ids(tokenizer, records, cfg)
+    prompts = _batch_prompts(tokenizer, records, cfg)
     episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
     invalid_ids = encode_in_text(tokenizer, INVALID_ACTION)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -9,6 +9,7 @@ import re
 import torch
 
 from llds import GATES, REDUCTIONS
+from rollout import ON_LONG_PROMPT
 
 
 def field_help(config_class) -> dict[str, str]:
@@ -58,6 +59,8 @@ def check_config(cfg) -> None:
         raise ValueError(f"mini-batch-size {cfg.mini_batch_size} must divide prompts-per-step x group-size = {batch}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max-prompt-tokens {cfg.max_prompt_tokens} must be below max-context {cfg.max_context}")
+    if cfg.on_long_prompt not in ON_LONG_PROMPT:
+        raise ValueError(f"on-long-prompt must be one of {', '.join(ON_LONG_PROMPT)}, not {cfg.on_long_prompt!r}")
     if cfg.llds_gate not in GATES:
         raise ValueError(f"llds-gate must be one of {', '.join(GATES)}, not {cfg.llds_gate!r}")
     if cfg.llds_reduction not in REDUCTIONS:

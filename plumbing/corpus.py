@@ -47,7 +47,12 @@ def load_corpus(path) -> list[dict]:
 def _parse_corpus_line(raw: bytes, path: Path, lineno: int) -> dict:
     where = f"{path}:{lineno}"
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw.decode("utf-8-sig"))     # a BOM on the first line is fine
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                         "save the file as UTF-8") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deep") from None
     except ValueError as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
@@ -56,7 +61,13 @@ def _parse_corpus_line(raw: bytes, path: Path, lineno: int) -> dict:
         raise ValueError(f"{where}: 'contents' is missing or not a string")
     if not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
         raise ValueError(f"{where}: 'id' is missing or not a string")
-    return {"id": str(obj["id"]), "contents": obj["contents"]}
+    doc = {"id": str(obj["id"]), "contents": obj["contents"]}
+    if b"\\ud" in raw or b"\\uD" in raw:          # a "\\udXXX" escape may be half a surrogate pair
+        try:
+            (doc["id"] + doc["contents"]).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: a lone surrogate escape (\\ud800-\\udfff) is not text") from None
+    return doc
 
 
 def corpus_fingerprint(corpus: list[dict]) -> str:

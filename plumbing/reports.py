@@ -19,6 +19,10 @@ def format_table(summary: dict) -> str:
     lines.append("-" * len(lines[0]))
     lines += [row(f"avg {group} (macro)", summary[group]) for group in ("general", "multihop", "all")
               if summary[group]["n"]]
+    dropped = summary.get("dropped") or []
+    if dropped:
+        lines.append(f"not scored: {len(dropped)} question{'s' * (len(dropped) > 1)} with a prompt over "
+                     f"max_prompt_tokens: {', '.join(map(str, dropped[:10]))}{', ...' * (len(dropped) > 10)}")
     return "\n".join(lines)
 
 

@@ -1,12 +1,17 @@
 """Tests for data.py and its generator plumbing/toy_world.py: the toy world (determinism, disjoint
 splits, answers in the passages, oracle EM 1.0, no-search baselines at chance) and the question loaders."""
+import collections
+import contextlib
 import hashlib
 import json
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -271,3 +276,191 @@ def test_cli_check(tmp_path):
     bad = subprocess.run([sys.executable, "data.py", "--source", str(tmp_path / "nope.jsonl")], cwd=ROOT,
                          env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_encoding_errors_name_file_and_line(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_bytes(b'{"question": "a?", "golds": ["x"]}\n{"question": "b\xff?", "golds": ["y"]}\n')
+    with pytest.raises(ValueError, match=r"q\.jsonl: line 2: not UTF-8 \(byte 0xff at column 16\)"):
+        data.load_questions(str(f))
+    # a BOM, CRLF line ends and blank lines load as the plain file does
+    plain = data.load_questions(str(_write(tmp_path / "q.jsonl", [{"question": "a?", "golds": ["x"]}] * 2)))
+    f.write_bytes(b'\xef\xbb\xbf{"question": "a?", "golds": ["x"]}\r\n\r\n  \n{"question": "a?", "golds": ["x"]}\r\n')
+    assert data.load_questions(str(f)) == plain
+    f.write_bytes(b'{"question": "a?", "golds": ["x"]}\n' + b"[" * 100_000 + b"\n")
+    with pytest.raises(ValueError, match=r"q\.jsonl: line 2: JSON nested too deep"):
+        data.load_questions(str(f))
+    f.write_bytes(b'{"question": "a\\ud800?", "golds": ["x"]}\n')    # half a surrogate pair is not text
+    with pytest.raises(ValueError, match=r"q\.jsonl: line 1: 'question' is missing, empty or not valid text"):
+        data.load_questions(str(f))
+
+
+def test_empty_question_file_is_an_error_at_load(tmp_path):
+    for text in ("", "\n\n  \n"):
+        (tmp_path / "empty.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=r"empty\.jsonl: no questions in this file"):
+            data.load_questions(str(tmp_path / "empty.jsonl"))
+
+
+# ---------------------------------------------------------------------------- corrupted files
+# Random corruptions of valid files: every case must either load into well-formed records or
+# stop with a ValueError naming the file and a line that was corrupted; never hang, never raise
+# anything else. A seeded loop (no hypothesis): the same cases on every run, a few seconds.
+
+QUESTIONS = [{"id": "q1", "question": "Where was Talia Wrenn born?", "golds": ["Orvale"], "data_source": "toy_nq"},
+             {"question": "Who founded Brisco Mining?", "golden_answers": ["Ada Pell", "Pell"]},
+             {"id": 3, "question": "In what year was Ada Pell born?", "golds": [1890], "support": ["7"]},
+             {"id": "q4", "question": "Which company does Doran Vesk work for?", "golds": ["Trimble Motors"]}]
+PASSAGES = [{"id": "0", "contents": '"Talia Wrenn"\nTalia Wrenn was born in Orvale.'},
+            {"id": 1, "contents": '"Ada Pell"\nAda Pell was born in Kessan in 1890.'},
+            {"id": "2", "contents": '"Brisco Mining"\nBrisco Mining was founded by Ada Pell in 1921.'}]
+WRONG_VALUES = [None, True, 7, 2.5, float("nan"), [], {}, ["a", 3], [None], {"x": "y"}, "", "  "]
+# Values json.dumps cannot write, put in the file in place of these markers.
+UNWRITABLE = {"<half a surrogate pair>": '"a\\ud800"', "<an integer of 5,000 digits>": "1" * 5000}
+
+
+def _corrupt(rng, rows: list[dict]) -> tuple[list[tuple[bytes, bool]], bytes]:
+    """A JSONL file of `rows` with 1-3 random corruptions -> ([(line, corrupted?)], line end)."""
+    lines, end = [(json.dumps(r).encode(), False) for r in rows], b"\n"
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(["truncate", "wrong_type", "missing_field", "surrogate", "huge_field", "big_int",
+                           "non_utf8", "flip", "huge_garbage", "deep", "not_object", "bom", "crlf", "blank"])
+        i = rng.randrange(len(lines))
+        line = lines[i][0]
+        if len(line) < 2 and kind in ("truncate", "flip"):
+            continue
+        if kind in ("wrong_type", "missing_field", "surrogate", "huge_field", "big_int"):
+            try:
+                obj = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if not isinstance(obj, dict) or not obj:
+                continue
+            key = rng.choice(sorted(obj))
+            if kind == "missing_field":
+                del obj[key]
+            else:
+                markers = list(UNWRITABLE)
+                obj[key] = {"wrong_type": lambda: rng.choice(WRONG_VALUES), "surrogate": lambda: markers[0],
+                            "huge_field": lambda: "word " * rng.randint(20_000, 200_000),
+                            "big_int": lambda: rng.choice([10 ** 20, markers[1]])}[kind]()
+            text = json.dumps(obj)
+            for marker, written in UNWRITABLE.items():
+                text = text.replace(json.dumps(marker), written)
+            lines[i] = (text.encode(), True)
+        elif kind == "truncate":
+            lines[i] = (line[:rng.randrange(1, len(line))], True)
+        elif kind == "non_utf8":
+            at = rng.randrange(len(line) + 1)
+            lines[i] = (line[:at] + bytes([rng.choice([0x80, 0xbf, 0xc0, 0xc3, 0xe2, 0xf8, 0xff])]) + line[at:], True)
+        elif kind == "flip":
+            at = rng.randrange(len(line))
+            lines[i] = (line[:at] + bytes([rng.randrange(256)]) + line[at + 1:], True)
+        elif kind == "huge_garbage":
+            lines.insert(i, (bytes(rng.randrange(32, 127) for _ in range(1000)) * 500, True))
+        elif kind == "deep":
+            lines.insert(i, (b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", True))
+        elif kind == "not_object":
+            lines.insert(i, (rng.choice([b"[1, 2]", b'"text"', b"3", b"null", b"true"]), True))
+        elif kind == "bom" and not lines[0][0].startswith(b"\xef\xbb\xbf"):
+            lines[0] = (b"\xef\xbb\xbf" + lines[0][0], lines[0][1])
+        elif kind == "crlf":
+            end = b"\r\n"
+        elif kind == "blank":
+            lines.insert(i, (rng.choice([b"", b"  ", b"\t", b"\r"]), False))
+    return lines, end
+
+
+def _is_text(value, blank_ok=False) -> bool:
+    try:
+        value.encode("utf-8")
+    except (AttributeError, UnicodeEncodeError):
+        return False
+    return isinstance(value, str) and (blank_ok or bool(value.strip()))
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    def stop(*_):
+        raise TimeoutError(f"no answer in {seconds} s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _check_corruptions(tmp_path, seed: int, rows: list[dict], load, valid) -> collections.Counter:
+    """300 corrupted files through `load`; each one either loads (every item `valid`, and exactly
+    the clean file's items when only a BOM, CRLF or blank lines were added) or raises a ValueError
+    that names the file and one of the corrupted lines (or says the file holds nothing)."""
+    clean = load(_write(tmp_path / "clean.jsonl", rows))
+    rng, outcomes = random.Random(seed), collections.Counter()
+    for case in range(300):
+        lines, end = _corrupt(rng, rows)
+        path = tmp_path / "clean.jsonl"           # the same name: data_source and ids stay comparable
+        path.write_bytes(b"".join(line + end for line, _ in lines))
+        corrupted = [n for n, (_, bad) in enumerate(lines, 1) if bad]
+        try:
+            with _time_limit(5.0), warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # a corrupted corpus id may repeat another one
+                items = load(path)
+        except ValueError as e:
+            message = str(e)
+            line = re.match(rf"{re.escape(str(path))}(?:: line |:)(\d+): ", message)
+            assert line or re.match(rf"{re.escape(str(path))}: (no questions in this file|corpus is empty)", message), \
+                message[:300]
+            assert not line or int(line.group(1)) in corrupted, (message[:300], corrupted)
+            outcomes["error"] += 1
+            continue
+        assert all(valid(item) for item in items), items
+        assert corrupted or items == clean
+        outcomes["loaded" if not corrupted else "loaded despite a corruption"] += 1
+    return outcomes
+
+
+def test_question_loader_survives_random_corruptions(tmp_path):
+    def valid(r):
+        return (isinstance(r["id"], str) and _is_text(r["question"]) and _is_text(r["data_source"])
+                and bool(r["golds"]) and all(_is_text(g) for g in r["golds"]))
+
+    start = time.perf_counter()
+    outcomes = _check_corruptions(tmp_path, 0, QUESTIONS, lambda p: data.load_questions(str(p)), valid)
+    assert outcomes["error"] > 100 and outcomes["loaded"] > 10 and outcomes["loaded despite a corruption"] > 10
+    assert time.perf_counter() - start < 30
+
+
+def test_corpus_reader_survives_random_corruptions(tmp_path):
+    from plumbing.corpus import load_corpus
+
+    def valid(d):
+        return _is_text(d["id"], blank_ok=True) and _is_text(d["contents"], blank_ok=True)
+
+    outcomes = _check_corruptions(tmp_path, 1, PASSAGES, load_corpus, valid)
+    assert outcomes["error"] > 100 and outcomes["loaded"] > 10 and outcomes["loaded despite a corruption"] > 10
+
+
+def test_parquet_loader_names_the_file_or_the_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    good = {"data_source": "nq", "prompt": [{"role": "user", "content": SEARCH_R1_PROMPT}],
+            "reward_model": {"ground_truth": {"target": ["Jimmy"]}}, "extra_info": {"index": 0}}
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([good] * 3), path)
+    whole = path.read_bytes()
+    for cut in random.Random(2).sample(range(len(whole)), 30):          # truncated files
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not a readable parquet file"):
+            data.load_questions(str(path))
+    wrong = [{"prompt": 5}, {"prompt": "no question mark here"}, {"reward_model": "Jimmy"},
+             {"reward_model": {"ground_truth": ["Jimmy"]}}, {"data_source": 3}, {"extra_info": "x"}]
+    for change in wrong:               # wrong types (a parquet column has one type: one row per file)
+        pq.write_table(pa.Table.from_pylist([{**good, **change}]), path)
+        try:
+            records = data.load_questions(str(path))
+        except ValueError as e:
+            assert str(e).startswith(f"{path}: row 1: "), str(e)
+        else:
+            assert len(records) == 1 and records[0]["golds"] == ["Jimmy"], change

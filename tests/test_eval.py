@@ -229,3 +229,43 @@ def test_modes_run_on_toy_world(tiny_model, toy_bm25, mode, tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())[mode]
     assert saved["setting"] == setting and saved["all"]["n"] == 3
     assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Questions whose prompt is over max_prompt_tokens: left out and reported, never scored silently
+# ----------------------------------------------------------------------------------------------
+
+def test_evaluate_reports_prompts_over_the_limit():
+    tok = byte_tokenizer()
+    questions = {"short": "Who wrote Hamlet?", "long": "Who wrote " + "the play " * 40 + "Hamlet?"}
+    policy = ScriptedPolicy(tok, {q: ["<answer> Shakespeare </answer>"] for q in questions.values()})
+    recs = [{"id": k, "question": q, "golds": ["Shakespeare"], "data_source": "nq"} for k, q in questions.items()]
+    limit = len(ev.one_turn_prompt(questions["short"], tok)) + 10      # the direct prompt of "short" fits
+    cfg = ev.dataclasses.replace(ev.EVAL, max_turn_tokens=40, max_prompt_tokens=limit)
+    out = ev.evaluate(policy, tok, recs, None, "direct", cfg, batch_size=2)
+    assert out["dropped"] == ["long"] and [e["id"] for e in out["examples"]] == ["short"]
+    assert out["all"]["n"] == 1 and out["all"]["em"] == 1.0
+    assert ev.format_table(out).endswith("not scored: 1 question with a prompt over max_prompt_tokens: long")
+
+
+def test_cli_drops_long_questions_at_load_and_lists_them_in_the_results(tmp_path, monkeypatch, capsys):
+    tok = byte_tokenizer()
+    questions = ["Who wrote Hamlet?", "Who wrote " + "the play " * 80 + "Hamlet?", "Who painted it?"]
+    policy = ScriptedPolicy(tok, {q: ["<answer> Shakespeare </answer>"] for q in questions})
+    monkeypatch.setattr(ev, "load_policy", lambda path, dtype=None: (policy, tok))
+    f = tmp_path / "nq.jsonl"
+    f.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "golden_answers": ["Shakespeare"]}) + "\n"
+                         for i, q in enumerate(questions)))
+    args = ["--data", str(f), "--mode", "direct", "--max-turn-tokens", "40", "--out", str(tmp_path / "out")]
+    ev.main(args)
+    printed = capsys.readouterr().out
+    # the search prompt of q1 (few-shot examples included) is over 2048 tokens: left out of every mode
+    assert "dropped 1 of 3 questions with a prompt over max_prompt_tokens=2048 tokens (fewshot template): q1" in printed
+    assert "not scored: 1 question with a prompt over max_prompt_tokens: q1" in printed
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["direct"]
+    assert results["dropped"] == ["q1"] and results["all"]["n"] == 2 and results["setting"]["questions"] == 2
+    with pytest.raises(SystemExit, match=r"error: 1 of 3 questions have a prompt over max_prompt_tokens=2048 .*: q1"):
+        ev.main(args + ["--on-long-prompt", "error"])
+    f.write_text("\n")
+    with pytest.raises(SystemExit, match=r"nq\.jsonl: no questions in this file"):
+        ev.main(args)

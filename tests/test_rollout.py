@@ -267,6 +267,27 @@ def test_build_prompt_templates():
         ro.build_prompt("Who?", TOK, "zero-shot")
 
 
+def test_long_prompts_are_dropped_at_load_by_their_full_length(capsys):
+    # char tokenizer: the prompt is as long as its text, few-shot examples included
+    records = [{"id": i, "question": q} for i, q in enumerate(["Who?", "Who was it?", "Where?", "Who is he?"])]
+    limit = len(ro.build_prompt("Who is he?", TOK, "fewshot"))    # fits exactly; "Who was it?" is 1 longer
+    cfg = ro.RolloutConfig(max_prompt_tokens=limit, max_context=limit + 100)
+    kept, dropped = ro.drop_long_prompts(records, TOK, cfg, "drop", "training questions")
+    assert [r["id"] for r in kept] == [0, 2, 3] and [r["id"] for r in dropped] == [1]
+    assert capsys.readouterr().out == (f"dropped 1 of 4 training questions with a prompt over max_prompt_tokens="
+                                       f"{limit} tokens (fewshot template): 1\n")
+    with pytest.raises(ValueError, match=r"^1 of 4 questions have a prompt over .*: 1; raise --max-prompt-tokens"):
+        ro.drop_long_prompts(records, TOK, cfg, "error")
+    with pytest.raises(ValueError, match="no questions left: every prompt is over max_prompt_tokens=10"):
+        ro.drop_long_prompts(records, TOK, ro.RolloutConfig(max_prompt_tokens=10), "drop")
+    # a record's own prompt_ids (eval.py's rag / direct prompts) is what is measured
+    own = [{"id": "a", "question": "Who?", "prompt_ids": [1] * 10}, {"id": "b", "question": "Who?", "prompt_ids": [1] * 11}]
+    assert ro.split_long_prompts(own, TOK, ro.RolloutConfig(max_prompt_tokens=10)) == (own[:1], own[1:])
+    assert ro.drop_long_prompts([], TOK, cfg) == ([], [])
+    with pytest.raises(ValueError, match="on-long-prompt must be one of drop, error"):
+        ro.drop_long_prompts(records, TOK, cfg, "skip")
+
+
 def search_r1_passages2string(retrieval_result):
     """Search-R1's own code (search_r1/llm_agent/generation.py, _passages2string), and the
     .strip() its execute_predictions applies before wrapping the block in <information>."""
@@ -372,3 +393,4 @@ def test_smollm2_two_episode_rollout():
     # forced text ends in "\n", "\n" as inside running text, not in the rare end-of-string "\n\n" token
     tail = ro._observation_ids(tokenizer, ["x"], 100)[0][-2:]
     assert tokenizer.convert_ids_to_tokens(tail) == ["\u010a", "\u010a"]
+

@@ -21,8 +21,8 @@ train: .venv/done
 test: .venv/done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
 
-# Plain GRPO vs GRPO + LLDS from the same seed, data and settings, then one overlaid figure and
-# the README's table rows.
+# Plain GRPO vs GRPO + LLDS from the same seed, data and settings; then both final checkpoints are
+# scored on 200 held-out questions and the study's tables and figure are drawn over every seed in runs/.
 # Both arms pass --resume: a killed comparison continues where it stopped, a finished one is redrawn.
 # The setting gives plain GRPO room to displace: 8 updates per rollout batch at lr 5e-5.
 SEED ?= 0
@@ -30,7 +30,10 @@ COMPARE ?= --mini-batch-size 4 --lr 5e-5 --steps 20 --eval-every 5 --eval-size 3
 compare: .venv/done
 	$(PY) train.py --name compare-grpo-s$(SEED) --seed $(SEED) --no-llds --resume $(COMPARE) $(ARGS)
 	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)
-	$(PY) train.py --plot runs/compare-grpo-s$(SEED) runs/compare-llds-s$(SEED) --plot-out runs/compare-s$(SEED).png
-	$(PY) bench/lld_table.py runs/compare-grpo-s$(SEED) runs/compare-llds-s$(SEED)
+	$(PY) bench/lld_study.py runs --score 200 --figure runs/compare.png
 
-.PHONY: setup train test compare
+# The LLD study's tables and figure, from the committed runs in docs/compare/.
+study: .venv/done
+	$(PY) bench/lld_study.py docs/compare --figure docs/compare/compare.png
+
+.PHONY: setup train test compare study

@@ -5,7 +5,8 @@ but for decode-step attention on CPU, which runs in float32 instead of bf16:
 * `speed_up_cpu_attention`: SDPA's own grouped-query attention instead of HF repeating K/V
   heads, and decode-step attention in float32 under CPU bf16 autocast;
 * `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
-* `hidden_states`: the prompt prefix that all rows share runs once, then is expanded;
+* `hidden_states`: the prompt prefix that all rows share runs once, then is expanded (once
+  per no-grad pass at fixed weights, with `run_prefix`'s store);
 * `head_logprobs`: the LM head on model tokens only, in checkpointed chunks;
 * `KVBatch`, `StopChecker`: rollout.py's batch of episodes sharing one KV cache with holes,
   and its per-row stop check that decodes only when a token could close a tag.
@@ -113,7 +114,25 @@ def shared_prefix_len(input_ids, attention_mask) -> int:
     return int(same.long().cumprod(0).sum())
 
 
-def hidden_states(model, input_ids, attention_mask, share_prefix=True):
+def run_prefix(model, ids, mask, store: dict | None):
+    """The prefix's last hidden states (1, p, H) and KV cache. With `store` (a dict that lives for
+    one no-grad pass at fixed weights) a prefix already seen in the pass is not run again: its
+    stored hidden states and keys/values are put in a new cache, the very tensors a forward would
+    give, so every number downstream is the same."""
+    key = tuple(ids[0].tolist())
+    if store is not None and key in store:
+        hidden, layers = store[key]
+        cache = DynamicCache(config=model.config)
+        for i, (keys, values) in enumerate(layers):
+            cache.update(keys, values, i)
+        return hidden, cache
+    out = model.base_model(input_ids=ids, attention_mask=mask, use_cache=True)
+    if store is not None and not torch.is_grad_enabled():
+        store[key] = (out.last_hidden_state, [(layer.keys, layer.values) for layer in out.past_key_values.layers])
+    return out.last_hidden_state, out.past_key_values
+
+
+def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_store=None):
     """The last hidden states (B, T, H), running the prompt prefix all rows share only once.
 
     The few-shot prompt is ~60% of every CPU-demo trajectory. Its keys/values are computed for
@@ -124,19 +143,19 @@ def hidden_states(model, input_ids, attention_mask, share_prefix=True):
     training, so with it (GPU runs) every pass runs `share_prefix=False`: a plain forward. The
     caller picks the path from the config, never from grad mode: in bf16 the two paths differ
     by up to 0.36 nats/token, and old, reference and update log-probs must come from one path.
+    prefix_store: see run_prefix (a no-grad pass over many micro-batches runs the prefix once).
     """
     n, length = input_ids.shape
     p = min(shared_prefix_len(input_ids, attention_mask), length - 1)
     if not share_prefix or n == 1 or p < 16:
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 use_cache=False).last_hidden_state
-    first = model.base_model(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True)
-    cache = first.past_key_values
+    first_hidden, cache = run_prefix(model, input_ids[:1, :p], attention_mask[:1, :p], prefix_store)
     cache.batch_repeat_interleave(n)                  # (1, heads, p, d) -> (n, heads, p, d), differentiable
     positions = torch.arange(p, length, device=input_ids.device).expand(n, -1)
     rest = model.base_model(input_ids=input_ids[:, p:], attention_mask=attention_mask, past_key_values=cache,
                             position_ids=positions, use_cache=True).last_hidden_state  # (n, T - p, H)
-    return torch.cat([first.last_hidden_state.expand(n, -1, -1), rest], dim=1)
+    return torch.cat([first_hidden.expand(n, -1, -1), rest], dim=1)
 
 
 def entropy_from_logits(logits):

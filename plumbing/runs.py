@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import tempfile
@@ -45,6 +46,10 @@ class PromptSampler:
     """Endless prompts, reshuffled every epoch from the seed; (epoch, pos) is its whole state."""
 
     def __init__(self, records: list[dict], seed: int, epoch: int = 0, pos: int = 0):
+        if not records:   # next() would wait forever for a prompt
+            raise ValueError("no training questions to sample prompts from")
+        if pos >= len(records):   # the data shrank since the checkpoint: start the next epoch
+            epoch, pos = epoch + 1, 0
         self.records, self.seed, self.epoch, self.pos = records, seed, epoch, pos
 
     def _order(self) -> list[int]:
@@ -200,6 +205,12 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
     return run_dir
 
 
+def resume_hint(run_dir: Path) -> str:
+    """' ; continue from <ckpt> (step N) with --resume' when the run has a checkpoint, else ''."""
+    ckpt = find_checkpoint(run_dir) if Path(run_dir).is_dir() else None
+    return f"; the run continues from {ckpt} (step {ckpt.name.split('-')[1]}) with --resume" if ckpt else ""
+
+
 def start_or_resume(run_dir: Path, model, optimizer, resume: bool) -> dict:
     """A fresh run's state, or (resume) the run's latest checkpoint loaded into model and
     optimizer (RNG states too) with the metrics log cut back to its step. -> {"step",
@@ -263,6 +274,31 @@ class SpiralMonitor:
             if math.isfinite(norm):
                 norms.append(norm)
         return warnings
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 instruction sets, e.g. "AMD EPYC 7B13 (avx2)"."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+        return platform.processor() or "unknown"
+    name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = set(re.search(r"^flags\s*:\s*(.*)$", info, re.M).group(1).split()) if "flags" in info else set()
+    kinds = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name.group(1).strip() if name else 'unknown'} ({', '.join(kinds) or 'no avx2'})"
+
+
+def record_machine(run_dir: Path, step: int, device, bf16: bool) -> None:
+    """Append to <run>/machine.json where (CPU, threads) and in which precision the steps
+    from `step` on run: runs of different precision must never be pooled."""
+    path = run_dir / "machine.json"
+    history = json.loads(path.read_text()) if path.exists() else []
+    history = [h for h in history if h["from_step"] < step]
+    history.append({"from_step": step, "device": str(device), "bf16_autocast": bool(bf16),
+                    "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None})
+    _write_atomic(path, json.dumps(history, indent=1))
 
 
 def describe(cfg, device, n_eval: int, bf16: bool) -> str:

@@ -28,3 +28,56 @@ def test_row_reads_a_run_folder(tmp_path):
     assert lld_table.row(tmp_path) == (
         f"| {tmp_path.name} | 3 | 0.20 -> 0.20 | 0.20 -> 0.40 (step 3) | steps 1-3: -0.200 | "
         "-2.00 (step 3) | 0.500 -> 0.500 | 1 -> 3 | - | 10 |")
+
+
+# ---- bench/lld_study.py: the many-seed study ----
+
+def write_run(folder, arm, seed, rewards, displacements, ems, bf16=True, steps=None):
+    from pathlib import Path
+    run = Path(folder) / f"compare-{arm}-s{seed}"
+    run.mkdir(parents=True)
+    lines = [{"step": 0, "eval/em": 0.2}]
+    lines += [{"step": i + 1, "reward": r, "entropy": 0.5, "lld/displacement_correct": d}
+              for i, (r, d) in enumerate(zip(rewards, displacements))]
+    lines[-1]["eval/em"] = ems
+    (run / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+    (run / "config.json").write_text(json.dumps({"steps": steps or len(rewards)}))
+    (run / "machine.json").write_text(json.dumps([{"from_step": 0, "bf16_autocast": bf16}]))
+    return run
+
+
+def test_run_summary_measures_by_hand(tmp_path):
+    from bench import lld_study
+    run = write_run(tmp_path, "llds", 3, [0.0, 0.5, 0.5, 1.0, 0.0, 0.5], [1.0, -2.0, 0.5, -0.25, -3.0, 2.0], 0.4)
+    (run / "heldout200.json").write_text(json.dumps({"questions": 200, "eval/em": 0.35}))
+    s = lld_study.run_summary(run)
+    assert (s["arm"], s["seed"], s["precision"], s["finished"]) == ("llds", 3, "bf16", True)
+    assert s["em_final"] == 0.4 and s["em_heldout"] == {200: 0.35}
+    assert abs(s["reward_last5"] - 0.5) < 1e-12                      # (0.5 + 0.5 + 1 + 0 + 0.5) / 5
+    assert (s["disp_sum"], s["disp_worst"], s["disp_neg_steps"]) == (-5.25, -3.0, 3)
+    unfinished = lld_study.run_summary(write_run(tmp_path, "grpo", 3, [0.1] * 3, [0.0] * 3, 0.1, steps=20))
+    assert not unfinished["finished"] and unfinished["em_final"] is None
+
+
+def test_bootstrap_interval_and_pairing():
+    from bench import lld_study
+    mean, lo, hi = lld_study.bootstrap_mean([0.1, 0.1, 0.1])
+    assert all(abs(v - 0.1) < 1e-12 for v in (mean, lo, hi))        # no spread, no interval
+    mean, lo, hi = lld_study.bootstrap_mean([-1.0, 1.0] * 10)
+    assert mean == 0.0 and -0.5 < lo < -0.3 and 0.3 < hi < 0.5      # sd 1, n 20: +-1.96 * 1 / sqrt(20) = 0.44
+    runs = [{"seed": 0, "arm": "grpo", "x": 1.0}, {"seed": 0, "arm": "llds", "x": 3.0},
+            {"seed": 1, "arm": "grpo", "x": 2.0}, {"seed": 2, "arm": "llds", "x": 5.0}]
+    assert lld_study.paired(runs, lambda r: r["x"]) == [(0, 1.0, 3.0)]
+
+
+def test_study_keeps_precisions_apart(tmp_path, capsys):
+    from bench import lld_study
+    for seed, bf16 in ((0, True), (1, True), (2, False)):
+        write_run(tmp_path, "grpo", seed, [0.2] * 5, [-1.0] * 5, 0.3, bf16=bf16)
+        write_run(tmp_path, "llds", seed, [0.4] * 5, [1.0] * 5, 0.5, bf16=bf16)
+    lld_study.main([str(tmp_path), "--figure", str(tmp_path / "fig.png")])
+    out = capsys.readouterr().out
+    assert "### bf16: seeds 0, 1" in out and "### fp32: seeds 2" in out
+    assert "| final EM, 30 questions | 2 | +0.200 | [+0.200, +0.200] | 2 / 0 / 0 |" in out
+    assert "| plain GRPO | 2 / 2 | 0 / 2 | 0.30 |" in out
+    assert (tmp_path / "fig.png").stat().st_size > 0

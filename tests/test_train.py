@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+import data
 import rollout as ro
 import train
 from plumbing import cli, fast_hf, models, plots, runs
@@ -171,6 +172,24 @@ def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
         assert torch.allclose(g, h, atol=1e-6, rtol=1e-4)
 
 
+def test_prefix_store_runs_the_prefix_once_and_changes_no_number():
+    model, _ = tiny_policy()
+    prefix = torch.randint(0, 250, (20,))
+    batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1) for _ in range(3)]
+    calls = []
+    hook = model.base_model.register_forward_hook(lambda m, args, kw, out: calls.append(kw["input_ids"].shape),
+                                                  with_kwargs=True)
+    with torch.no_grad():
+        plain = [fast_hf.hidden_states(model, ids, torch.ones_like(ids)) for ids in batches]
+        n_plain, calls[:] = len(calls), []
+        store = {}
+        stored = [fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store) for ids in batches]
+    hook.remove()
+    assert n_plain == 6 and len(calls) == 4           # prefix + rest per batch, then the prefix only once
+    for a, b in zip(plain, stored):
+        assert torch.equal(a, b)                      # bit for bit
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, alternating_rewards, monkeypatch):
     # kl_coef > 0 also checks that the resumed run's reference is the initial policy.
     cfg = tiny_config(tmp_path, steps=3, kl_coef=0.05, eval_size=0)
@@ -196,6 +215,64 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, alternating_rewards, 
     cut, ref = step_lines(tmp_path / "cut"), step_lines(tmp_path / "full")
     assert [l["step"] for l in cut] == [1, 2, 3]
     assert [l["kl"] for l in cut] == [l["kl"] for l in ref] and ref[2]["kl"] > 0
+
+
+def question_file(tmp_path, questions: list[dict], name="questions.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    return str(path)
+
+
+def with_a_long_question(tmp_path) -> dict:
+    """Config overrides: 3 toy questions and, second, one whose prompt is over max_prompt_tokens
+    (1500 bytes, the few-shot examples take 1400), searched in the toy corpus."""
+    short = [{k: r[k] for k in ("id", "question", "golds")} for r in data.load_questions("toy_nq", limit=3)]
+    long = {"id": "long:6", "question": "Where was " + "a very " * 30 + "long name born?", "golds": ["x"]}
+    return dict(data=question_file(tmp_path, short[:1] + [long] + short[1:]), eval_size=0,
+                corpus=str(data.toy_world() / "corpus.jsonl"))
+
+
+def test_an_over_long_question_is_dropped_at_load_and_the_run_trains_through(tmp_path, alternating_rewards, capsys):
+    cfg = tiny_config(tmp_path, steps=3, **with_a_long_question(tmp_path))
+    train.train(cfg, *tiny_policy())
+    assert [l["step"] for l in step_lines(tmp_path / "run")] == [1, 2, 3]   # 6 draws from 3 questions
+    assert ("dropped 1 of 4 training questions with a prompt over max_prompt_tokens=1500 tokens (fewshot "
+            "template): long:6\n") in capsys.readouterr().out
+    assert not any("long name" in p.read_text() for p in (tmp_path / "run" / "samples").iterdir())
+    # fail fast instead: at load, before any step
+    with pytest.raises(ValueError, match=r"^1 of 4 training questions have a prompt over .*: long:6; raise"):
+        train.train(dataclasses.replace(cfg, name="strict", on_long_prompt="error"), *tiny_policy())
+    assert not (tmp_path / "strict" / "metrics.jsonl").exists()
+    # no question at all, or none short enough: one clear error at start, never a wait
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no questions in this file"):
+        train.setup(dataclasses.replace(cfg, name="empty", data=question_file(tmp_path, [], "empty.jsonl")), *tiny_policy())
+    with pytest.raises(ValueError, match="no training questions left: every prompt is over max_prompt_tokens=1000"):
+        train.setup(dataclasses.replace(cfg, name="none_fit", max_prompt_tokens=1000), *tiny_policy())
+    with pytest.raises(SystemExit, match="on-long-prompt must be one of drop, error, not 'skip'"):
+        train.main(["--on-long-prompt", "skip"])
+
+
+def test_a_run_killed_at_any_step_resumes_and_finishes(tmp_path, alternating_rewards, monkeypatch):
+    cfg = tiny_config(tmp_path, steps=3, **with_a_long_question(tmp_path))
+    model, tokenizer = tiny_policy()
+    train.train(dataclasses.replace(cfg, name="full"), model, tokenizer)
+    full = params(model)
+    real_step = train.train_step
+    for kill in (1, 2, 3):
+        def killed(step, *args, **kwargs):
+            if step == kill:
+                raise KeyboardInterrupt(f"simulated kill in step {kill}")
+            return real_step(step, *args, **kwargs)
+
+        name = f"killed_in_{kill}"
+        monkeypatch.setattr(train, "train_step", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train.train(dataclasses.replace(cfg, name=name), *tiny_policy())
+        monkeypatch.setattr(train, "train_step", real_step)
+        model, tokenizer = tiny_policy()
+        train.train(dataclasses.replace(cfg, name=name, resume=True), model, tokenizer)
+        assert [l["step"] for l in step_lines(tmp_path / name)] == [1, 2, 3]
+        assert all(torch.equal(full[k], v) for k, v in params(model).items()), f"killed in step {kill}"
 
 
 def test_non_finite_gradient_skips_the_step(tmp_path, alternating_rewards):
@@ -348,6 +425,14 @@ def test_prompt_sampler_resumes_mid_epoch():
     assert sorted(first + [r["id"] for r in runs.PromptSampler(records, 3, 0, 4).next(1)]) == list("01234")
 
 
+def test_prompt_sampler_never_waits_forever():
+    with pytest.raises(ValueError, match="no training questions"):
+        runs.PromptSampler([], seed=0)
+    # a checkpoint's position past the end (the data shrank since): the next epoch begins
+    sampler = runs.PromptSampler([{"id": "a"}, {"id": "b"}], seed=0, epoch=3, pos=7)
+    assert sorted(r["id"] for r in sampler.next(2)) == ["a", "b"] and sampler.state() == {"epoch": 5, "pos": 0}
+
+
 def test_spiral_monitor_names_the_evidence():
     monitor = runs.SpiralMonitor(window=3, factor=10.0)
     for step, logp in enumerate([-1.0, -1.1, -1.2, -1.3], 1):
@@ -412,3 +497,23 @@ def test_log_scale_panel_leaves_out_zero_grad_norms():
     lines = [{"step": 0, "eval/em": 0.2}, {"step": 1, "grad_norm_max": 2.0}, {"step": 2, "grad_norm_max": 0.0}]
     assert plots.series(lines, "grad_norm_max") == [(1, 2.0), (2, 0.0)]
     assert plots.series(lines, "grad_norm_max", positive_only=True) == [(1, 2.0)]
+
+
+def test_a_retriever_lost_mid_run_ends_in_one_line_naming_the_checkpoint(tmp_path, alternating_rewards, monkeypatch):
+    cfg = tiny_config(tmp_path, steps=2, eval_size=0)
+    real_step = train.train_step
+
+    def retriever_gone(step, *args, **kwargs):
+        if step == 2:
+            raise ConnectionError("retriever http://127.0.0.1:8000/retrieve is unreachable")
+        return real_step(step, *args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", retriever_gone)
+    monkeypatch.setattr(train, "parse_train_args", lambda *a: (cfg, None, None))
+    real_train = train.train
+    monkeypatch.setattr(train, "train", lambda c: real_train(c, *tiny_policy()))
+    with pytest.raises(SystemExit) as stop:
+        train.main([])
+    assert str(stop.value) == (f"error: retriever http://127.0.0.1:8000/retrieve is unreachable; the run continues "
+                               f"from {tmp_path / 'run' / 'ckpt-1'} (step 1) with --resume")
+

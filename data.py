@@ -14,7 +14,7 @@ dump. None of that fits an offline CPU demo, so this file also offers a syntheti
   entities that no training question mentions. The names are invented, so a model that does
   not search can only guess; `python data.py --check` measures that, and checks that an oracle
   reading the gold passages (`support` ids in each record) answers every question. The
-  generator and these checks live in plumbing/toy_world.py; here the world is only cached.
+  generator and these checks live in tasks/toy_world.py; here the world is only cached.
   Simplified: facts are few and templated; real Wikipedia questions are far more varied.
 
 * **Loaders** (`load_questions`): FlashRAG JSONL, Search-R1 parquet (needs pyarrow), our own
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import plumbing
-from plumbing.toy_world import TOY_VERSION, build_toy_world, check_bm25, check_oracle, check_priors
+from tasks.toy_world import TOY_VERSION, build_toy_world, check_bm25, check_oracle, check_priors
 
 Record = dict  # {"id": str, "question": str, "golds": list[str], "data_source": str, ...optional}
 

@@ -15,11 +15,12 @@ Three rows of the paper's table, three modes:
 search prompt would teach the model to emit `<search>` it is not allowed to use).
 
 Used two ways: `python eval.py ...` prints the table and writes `results.json` +
-`predictions.jsonl` (plumbing/reports.py); `evaluate(...)` returns the same numbers in memory for
-train.py's periodic held-out evaluation. A question whose prompt is over `max_prompt_tokens` is
-left out (at load, or after retrieval for a rag prompt) and listed under "dropped" in the results,
-never scored silently. Simplified: scores are EM and token F1 on the last `<answer>` only (as the
-reward); no LLM judge, no per-question-type breakdown.
+`predictions.jsonl` (plumbing/reports.py); `evaluate(...)` returns the same numbers in memory, and
+`heldout_eval(...)` hands them to train.py's periodic held-out evaluation as eval/* metrics. The
+flags are RolloutConfig's fields (defaults: EVAL), made by the same code as train.py's. A question
+whose prompt is over `max_prompt_tokens` is left out (at load, or after retrieval for a rag prompt)
+and listed under "dropped" in the results, never scored silently. Simplified: scores are EM and
+token F1 on the last `<answer>` only (as the reward); no LLM judge, no per-question-type breakdown.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import statistics
 import time
 from pathlib import Path
 
@@ -35,6 +37,8 @@ from tqdm import tqdm
 
 import data
 import rollout
+from plumbing.cli import add_config_flags
+from plumbing.memory import release_memory
 from plumbing.models import load_policy
 from plumbing.reports import format_header, format_table, write_outputs
 from plumbing.runs import find_checkpoint
@@ -193,6 +197,19 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
             "questions_per_min": 60 * len(examples) / seconds if seconds else float("nan")}
 
 
+def heldout_eval(model, tokenizer, records, retriever, rollout_cfg) -> dict:
+    """train.py's held-out evaluation: evaluate() in mode "search", as eval/* metrics; eval/em is
+    the macro average over data sources, as in the paper's tables. The torch RNG stream is left
+    as it was, so evaluating does not change the training run."""
+    rng = torch.get_rng_state()
+    scores = evaluate(model, tokenizer, records, retriever, "search", rollout_cfg, progress=True)
+    torch.set_rng_state(rng)
+    release_memory()
+    return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
+            "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
+            "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
+
+
 def _example(record: dict, episode: dict, mode: str) -> dict:
     """One line of predictions.jsonl. n_search counts retriever calls (rag: always 1)."""
     out = {"id": record["id"], "data_source": record["data_source"], "question": record["question"],
@@ -245,6 +262,8 @@ def _positive(text: str) -> int:
 
 
 def parse_args(argv=None):
+    """eval.py's flags -> (args, cfg). Every RolloutConfig field is a flag (its comment the help),
+    with EVAL's value as default: the same mechanism as train.py's Config."""
     p = argparse.ArgumentParser(description="Exact-match evaluation per data source (Search-R1 / LLDS tables). "
                                 "No arguments: the embedded SmolLM2 on the toy world's test split, search mode.")
     p.add_argument("--model", help="HF model folder or name in the local cache, or a train.py checkpoint "
@@ -259,30 +278,24 @@ def parse_args(argv=None):
     p.add_argument("--retriever", default="bm25", help="bm25 | dense | http://host:port/retrieve")
     p.add_argument("--corpus", help="JSONL corpus for bm25/dense (default with --data toy: the toy corpus)")
     p.add_argument("--index", help="index folder (loaded, or built and saved there)")
-    p.add_argument("--topk", type=int, default=EVAL.topk, help="passages per search")
-    p.add_argument("--max-turns", type=int, default=EVAL.max_turns, help="search turns (paper: 4 at evaluation)")
-    p.add_argument("--max-turn-tokens", type=int, default=EVAL.max_turn_tokens, help="tokens per turn (paper: 500)")
-    p.add_argument("--template", default=EVAL.template, choices=sorted(rollout.TEMPLATES), help="prompt template")
-    p.add_argument("--max-prompt-tokens", type=_positive, default=EVAL.max_prompt_tokens,
-                   help="questions with a longer search prompt are left out at load and listed in the results")
     p.add_argument("--on-long-prompt", default="drop", choices=rollout.ON_LONG_PROMPT,
                    help="a prompt over --max-prompt-tokens: drop the question (reported) or stop with an error")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
+    p.add_argument("--sample", dest="greedy", action="store_false", default=argparse.SUPPRESS,
+                   help="sample at --temperature and --top-p instead of greedy decoding (= --no-greedy)")
     p.add_argument("--seed", type=int, default=0, help="torch seed (matters with --sample)")
-    p.add_argument("--batch-size", type=_positive, default=EVAL.batch_size, help="questions generated together")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="output folder (default runs/eval/<date>)")
-    return p.parse_args(argv)
+    add_config_flags(p, rollout.RolloutConfig, defaults=EVAL, template={"choices": rollout.TEMPLATES},
+                     max_prompt_tokens={"type": _positive}, batch_size={"type": _positive})
+    args = vars(p.parse_args(argv))
+    fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
+    cfg = dataclasses.replace(EVAL, **{k: v for k, v in args.items() if k in fields})
+    return argparse.Namespace(**{k: v for k, v in args.items() if k not in fields}), cfg
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args, cfg = parse_args(argv)
     torch.manual_seed(args.seed)
-    cfg = dataclasses.replace(EVAL, topk=args.topk, max_turns=args.max_turns, template=args.template,
-                              max_turn_tokens=args.max_turn_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                              greedy=not args.sample, temperature=args.temperature, top_p=args.top_p)
     try:
         records = data.load_question_sets(args.data, args.split, args.limit)
         if not records:
@@ -297,7 +310,7 @@ def main(argv=None) -> None:
         records, too_long = rollout.drop_long_prompts(records, tokenizer, cfg, args.on_long_prompt, "questions")
         runs = {}
         for mode in args.mode:
-            result = evaluate(model, tokenizer, records, retriever, mode, cfg, args.batch_size, progress=True)
+            result = evaluate(model, tokenizer, records, retriever, mode, cfg, progress=True)
             result["dropped"] = [r["id"] for r in too_long] + result["dropped"]
             setting = setting_of(args, mode, mode_config(cfg, mode), len(records))
             print(f"\n{format_header(setting)}\n\n{format_table(result)}")

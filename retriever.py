@@ -42,9 +42,10 @@ import requests
 from tqdm import tqdm
 
 import plumbing
+from plumbing import server
 from plumbing.corpus import corpus_fingerprint, load_corpus, read_index_meta, write_index_meta
+from plumbing.server import MAX_QUERY_CHARS, check_queries   # the query rules, the same as the server's
 
-MAX_QUERY_CHARS = 2000  # the longest query: the server answers longer ones with a 400, rollout.py cuts to it
 CLIENT_BATCH = 512  # queries per POST from RetrieverClient: each answer comes well within its timeout
 BIG_CORPUS = 10_000  # passages above this get progress bars while indexing
 
@@ -336,22 +337,8 @@ def _error_text(r) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Queries in, hits out: the same rules for every backend
+# Hits out: the same format for every backend (queries in: plumbing/server.py's check_queries)
 # --------------------------------------------------------------------------------------------
-
-def check_queries(queries, topk) -> None:
-    """Shared by the in-process backends and the server; raises ValueError saying what is wrong.
-
-    An empty list and empty strings are valid (see the module docstring).
-    """
-    if not isinstance(queries, (list, tuple)):
-        raise ValueError(f"queries must be a list of strings, got {type(queries).__name__}")
-    for i, q in enumerate(queries):
-        if not isinstance(q, str):
-            raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
-        raise ValueError(f"topk must be a positive integer, got {topk!r}")
-
 
 def _hits(corpus: list[dict], idx, scores) -> list[dict]:
     """One query's ranked hits in the Search-R1 response format."""
@@ -390,8 +377,6 @@ def _cmd_search(args):
 
 
 def main(argv=None):
-    from plumbing import server  # not at the top: server.py imports this module for its request rules
-
     p = argparse.ArgumentParser(description="BM25 / dense retrieval over a JSONL corpus, "
                                 "with a Search-R1-compatible HTTP server.")
     sub = p.add_subparsers(dest="cmd", required=True)

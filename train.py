@@ -42,7 +42,8 @@ from tqdm import tqdm
 import data
 import retriever as retrieval
 import rollout
-from llds import action_ids, llds_loss, preserving_responses
+from eval import heldout_eval
+from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
 from plumbing import fast_hf, runs
 from plumbing.cli import check_config, parse_train_args
 from plumbing.models import load_policy, reference_copy
@@ -118,6 +119,9 @@ PRESETS = {
         llds_gate="action", eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50,
         rollout_batch_size=128, grad_checkpointing=True),
 }
+
+# The values a string field may take; check_config refuses any other before a model is loaded.
+CHOICES = {"on_long_prompt": rollout.ON_LONG_PROMPT, "llds_gate": GATES, "llds_reduction": REDUCTIONS}
 
 
 # ---- GRPO objective ------------------------------------------------------------------------
@@ -204,6 +208,21 @@ def kl_k3(logp, ref_logp):
 
 # ---- Log-probs -----------------------------------------------------------------------------
 
+def entropy_from_logits(logits):
+    """Token entropy H = -sum_v p_v log p_v from logits (..., V) -> (...); log_softmax (a
+    logsumexp) keeps it stable for large logits. Pass float32 logits for an exact value."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def head_logprobs(lm_head, hidden, targets, temperature):
+    """log p(target) and the entropy at the sampling temperature, from last hidden states:
+    hidden (N, H), targets (N,) -> (N,), (N,) float32."""
+    logits = lm_head(hidden).float() / temperature                                # (N, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    return logp, entropy_from_logits(logits)
+
+
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, share_prefix=True,
                    prefix_store=None):
     """log p(token_t | tokens_<t) at the sampling temperature and the entropy there, on model
@@ -211,10 +230,13 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0,
     `log_softmax(model(input_ids).logits[:, :-1] / T)` gathered at the next tokens (tested).
     share_prefix (run the few-shot prefix once) is a config choice, never a grad-mode one: old,
     reference and update passes must take the same path to agree bit for bit."""
+    # model.base_model(input_ids, attention_mask).last_hidden_state; share_prefix runs the rows' common prefix once
     hidden = fast_hf.hidden_states(model, input_ids, attention_mask, share_prefix, prefix_store)   # (B, T, H)
-    picked = loss_mask[:, 1:].bool()                  # (B, T-1): the next token is a model token
-    logp, entropy = fast_hf.head_logprobs(model.get_output_embeddings(), hidden[:, :-1][picked],
-                                          input_ids[:, 1:][picked], temperature)     # (N,), (N,)
+    targets = input_ids[:, 1:]                        # (B, T-1): the hidden state at t predicts token t + 1
+    picked = loss_mask[:, 1:].bool()                  # (B, T-1): the target is a model token
+    # head_logprobs on the picked rows only, in checkpointed chunks: at most 1024 x vocab logits live
+    logp, entropy = fast_hf.head_in_chunks(head_logprobs, model.get_output_embeddings(), hidden[:, :-1][picked],
+                                           targets[picked], temperature)          # (N,), (N,)
 
     def place(values):                                # (N,) -> (B, T): position t scores token t
         full = torch.zeros(picked.shape, dtype=torch.float32, device=hidden.device)
@@ -285,6 +307,8 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     # 3. Old (rollout-policy) and reference log-probs, in the micro-batches the update will use.
     minibatches = shuffle_into_minibatches(len(records), cfg)
     with phases("logprob", release=False):
+        # [1:]: mini-batch 0 is updated before any optimizer step, when the policy still is the
+        # rollout policy, so its update pass gives its old log-probs (step 4); rows stay 0 till then
         batch["old_logp"], old_entropy = batch_logprobs(model, batch, minibatches[1:], cfg, device)  # (N, T)
         if ref is not None:
             batch["ref_logp"] = batch_logprobs(ref, batch, minibatches, cfg, device)[0]
@@ -318,6 +342,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                 kl = masked_mean(kl_k3(logp, r["ref_logp"]), mask) if ref is not None else None
                 if kl is not None:
                     loss = loss + cfg.kl_coef * kl * token_share
+                # computed even when LLDS is off, to be logged: a --no-llds run's llds/loss is what LLDS would add
                 llds_term, llds_stats = llds_loss(logp, r["old_logp"], adv, mask, gate=cfg.llds_gate,
                                                   answer_mask=r["answer_mask"], answer_weight=beta,
                                                   reduction=cfg.llds_reduction)
@@ -326,8 +351,12 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                 if use_llds:
                     loss = loss + cfg.llds_lambda * llds_term * llds_share
                 loss.backward()
-                logged.append((token_share, llds_share, pg.item(), pg_stats, None if kl is None else kl.item(),
-                               llds_term.item(), llds_stats))
+                # The step logs each metric's mean over micro-batches, weighted as in the loss (runs.update_stats)
+                logged.append({"weight": token_share, "pg_loss": pg.item(), "clip_ratio": pg_stats["clip_ratio"],
+                               "ppo_kl": pg_stats["approx_kl"], "kl": None if kl is None else kl.item(),
+                               "llds/active_token_frac": llds_stats["llds/active_token_frac"],
+                               "llds/active_action_frac": llds_stats["llds/active_action_frac"]})
+                logged.append({"weight": llds_share, "llds/loss": llds_term.item()})
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             norms.append(norm)
             if math.isfinite(norm):
@@ -421,9 +450,23 @@ def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
 
 # ---- The loop ------------------------------------------------------------------------------
 
-def setup(cfg: Config, model=None, tokenizer=None):
+@dataclass
+class Run:
+    """What setup() prepares for one run."""
+    device: torch.device
+    dir: Path                          # <out_dir>/<name>
+    train_records: list[dict]          # the training questions whose prompt fits
+    eval_records: list[dict]           # the fixed held-out subset
+    retriever: object                  # anything with .search(queries, topk)
+    model: torch.nn.Module             # the policy, fp32 weights
+    tokenizer: object
+    ref: torch.nn.Module | None        # the frozen initial policy of the KL term; None when kl_coef is 0
+    optimizer: torch.optim.Optimizer
+
+
+def setup(cfg: Config, model=None, tokenizer=None) -> Run:
     """Everything a run needs; user errors (paths, flags, servers) raise ValueError / SystemExit."""
-    check_config(cfg)
+    check_config(cfg, CHOICES)
     reuse_freed_memory()
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
                           else "cpu")
@@ -450,50 +493,51 @@ def setup(cfg: Config, model=None, tokenizer=None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # foreach: the same numbers as the per-tensor loop (tested), 3x faster on a CPU; fused is not bit-equal
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
-    return device, run_dir, train_records, eval_records, retriever, model, tokenizer, ref, optimizer
+    return Run(device=device, dir=run_dir, train_records=train_records, eval_records=eval_records,
+               retriever=retriever, model=model, tokenizer=tokenizer, ref=ref, optimizer=optimizer)
 
 
 def train(cfg: Config, model=None, tokenizer=None) -> dict:
     """Train (or resume) the run <out_dir>/<name>; model/tokenizer may be injected (tests).
     -> {"before": eval metrics at step 0, "after": at the end, "last": the last step's metrics}"""
-    device, run_dir, train_records, eval_records, retriever, model, tokenizer, ref, optimizer = \
-        setup(cfg, model, tokenizer)
-    state = runs.start_or_resume(run_dir, model, optimizer, cfg.resume)   # step 0, or the last checkpoint's
+    run = setup(cfg, model, tokenizer)
+    state = runs.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)   # step 0, or the last checkpoint's
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
-    sampler = runs.PromptSampler(train_records, cfg.seed, **state["sampler"])
+    sampler = runs.PromptSampler(run.train_records, cfg.seed, **state["sampler"])
     monitor = runs.SpiralMonitor(cfg.spiral_window, cfg.spiral_grad_factor, state["monitor"])
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    bf16 = fast_hf.bf16_supported(device) and cfg.bf16
-    runs.record_machine(run_dir, start, device, bf16)
-    print(runs.describe(cfg, device, len(eval_records), bf16))
+    (run.dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    bf16 = fast_hf.bf16_supported(run.device) and cfg.bf16
+    runs.record_machine(run.dir, start, run.device, bf16)
+    print(runs.describe(cfg, run.device, len(run.eval_records), bf16))
     eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)   # greedy, fixed subset
-    if start == 0 and eval_records:
-        evals["before"] = runs.heldout_eval(model, tokenizer, eval_records, retriever, eval_cfg)
-        runs.log_metrics(run_dir, {"step": 0, **evals["before"]})
+    if start == 0 and run.eval_records:
+        evals["before"] = heldout_eval(run.model, run.tokenizer, run.eval_records, run.retriever, eval_cfg)
+        runs.log_metrics(run.dir, {"step": 0, **evals["before"]})
         print(f"held-out EM before training: {evals['before']['eval/em']:.3f}")
 
     metrics = {}
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step")
     for step in bar:
-        metrics = train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, run_dir)
+        metrics = train_step(step, cfg, run.model, run.tokenizer, run.ref, run.optimizer, sampler, run.retriever,
+                             run.device, run.dir)
         skipped += metrics["grad_norm_nonfinite"]
         metrics["skipped_steps"] = skipped
         metrics["lld/warning"] = monitor.warn(step, metrics)       # 1 when the spiral pattern shows
-        if eval_records and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            metrics.update(runs.heldout_eval(model, tokenizer, eval_records, retriever, eval_cfg))
+        if run.eval_records and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            metrics.update(heldout_eval(run.model, run.tokenizer, run.eval_records, run.retriever, eval_cfg))
             evals["after" if step == cfg.steps else f"step {step}"] = {k: v for k, v in metrics.items()
                                                                       if k.startswith("eval/")}
-        metrics["memory/peak_gb"] = peak_memory_gb(device)   # so far, evaluation included
-        runs.log_metrics(run_dir, metrics)
+        metrics["memory/peak_gb"] = peak_memory_gb(run.device)   # so far, evaluation included
+        runs.log_metrics(run.dir, metrics)
         bar.set_postfix(runs.postfix(metrics))
         if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-            runs.save_checkpoint(run_dir, step, model, tokenizer, optimizer, keep=cfg.keep_ckpts, state={
+            runs.save_checkpoint(run.dir, step, run.model, run.tokenizer, run.optimizer, keep=cfg.keep_ckpts, state={
                 "sampler": sampler.state(), "skipped_steps": skipped, "evals": evals, "monitor": monitor.history})
     bar.close()
-    plot_runs([run_dir])
+    plot_runs([run.dir])
     summary = {"before": evals.get("before"), "after": evals.get("after"), "last": metrics,
-               "peak_memory_gb": peak_memory_gb(device)}
-    print(runs.final_report(run_dir, summary))
+               "peak_memory_gb": peak_memory_gb(run.device)}
+    print(runs.final_report(run.dir, summary))
     return summary
 
 

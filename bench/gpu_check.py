@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
         group_size=args.group_size, mini_batch_size=batch // 2, micro_batch_size=args.micro_batch_size,
         lr=1e-6, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, samples_per_step=0,
         rollout_batch_size=batch, grad_checkpointing=device.type == "cuda")
-    cli.check_config(cfg)
+    cli.check_config(cfg, train.CHOICES)
 
     t = time.perf_counter()
     model = models.random_qwen2(shape, vocab, device)

@@ -208,7 +208,7 @@ def score_final_checkpoints(run_dirs: list[Path], checkpoints: Path, n: int) -> 
     import data
     import retriever as retrieval
     import train
-    from eval import resolve_model
+    from eval import heldout_eval, resolve_model
     from plumbing import runs as run_files
     from plumbing.models import load_policy
 
@@ -224,7 +224,7 @@ def score_final_checkpoints(run_dirs: list[Path], checkpoints: Path, n: int) -> 
                                              index=cfg.index or None)
         eval_cfg = train.rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
         with torch.no_grad():
-            scores = run_files.heldout_eval(model, tokenizer, records, retriever, eval_cfg)
+            scores = heldout_eval(model, tokenizer, records, retriever, eval_cfg)
         scores = {**scores, "questions": len(records), "checkpoint": ckpt.name,
                   "bf16_autocast": train.fast_hf.bf16_supported(torch.device("cpu")) and cfg.bf16,
                   "cpu": run_files.cpu_model(), "setting": dataclasses.asdict(eval_cfg)}

@@ -13,13 +13,16 @@ anything: each module says what it speeds up or takes care of.
                   the KL reference copy; tiny models built in code (tests, GPU check)
     memory.py     glibc allocator settings and peak-memory readings
     runs.py       run folders: checkpoints and RNG state, metrics log, samples, prompt sampler,
-                  phase timing, the spiral monitor's warnings, held-out evaluation glue
+                  phase timing, the spiral monitor's warnings, the step's micro-batch means
     plots.py      training curves of one run, or several overlaid
     cli.py        a config dataclass -> argparse flags whose --help is the field comments
     corpus.py     reading and fingerprinting a corpus file, index metadata
-    server.py     the hardened HTTP server behind `retriever.py serve`
+    server.py     the hardened HTTP server behind `retriever.py serve`, and the query rules
+                  every retriever backend shares
     reports.py    eval.py's tables and output files
-    toy_world.py  the generator of data.py's synthetic "toy world" and its checks
+
+Nothing here imports a top-level script (tests/test_layering.py): what a module needs from one
+is passed in. The toy world's generator is the experiment's data, so it lives in tasks/.
 """
 import os
 from pathlib import Path

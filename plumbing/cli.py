@@ -1,15 +1,14 @@
 """A configuration dataclass -> argparse flags: every field becomes `--field-name` (booleans get
-`--no-` too), and the comment after the field in the source is its --help text; and the checks
-of train.py's settings that end in one clear error."""
+`--no-` too), and the comment after the field in the source is its --help text (train.py's
+Config, eval.py's RolloutConfig); and the checks of train.py's settings that end in one clear
+error."""
 import argparse
 import dataclasses
 import inspect
 import re
+import typing
 
 import torch
-
-from llds import GATES, REDUCTIONS
-from rollout import ON_LONG_PROMPT
 
 
 def field_help(config_class) -> dict[str, str]:
@@ -17,18 +16,19 @@ def field_help(config_class) -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(config_class), re.M))
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config_class) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, config_class, defaults=None, **extra) -> None:
     """One flag per field of `config_class`; unset flags stay out of the parsed namespace, so
-    a preset can fill them and explicit flags override the preset."""
+    a preset (or `defaults`, an instance of the class whose values the help shows) fills them
+    and explicit flags override it. extra: {field: more add_argument keywords (choices, type)}."""
     helps = field_help(config_class)
+    types = typing.get_type_hints(config_class)       # real types, also under `from __future__ import annotations`
     for f in dataclasses.fields(config_class):
-        flag = "--" + f.name.replace("_", "-")
-        text = f"{helps.get(f.name, '')} (default: {f.default})"
-        if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            parser.add_argument(flag, type=f.type, default=argparse.SUPPRESS, metavar=f.type.__name__.upper(),
-                                help=text)
+        flag, kind = "--" + f.name.replace("_", "-"), types[f.name]
+        default = f.default if defaults is None else getattr(defaults, f.name)
+        text = f"{helps.get(f.name, '')} (default: {default})"
+        options = ({"action": argparse.BooleanOptionalAction} if kind is bool
+                   else {"type": kind, "metavar": kind.__name__.upper()})
+        parser.add_argument(flag, default=argparse.SUPPRESS, help=text, **{**options, **extra.get(f.name, {})})
 
 
 def parse_train_args(config_class, presets: dict, argv=None):
@@ -48,8 +48,9 @@ def parse_train_args(config_class, presets: dict, argv=None):
     return config_class(**{**presets.get(preset, {}), **args}), plot, plot_out
 
 
-def check_config(cfg) -> None:
-    """Catch inconsistent train.py settings before any model is loaded (ValueError with what to change)."""
+def check_config(cfg, choices: dict[str, tuple[str, ...]]) -> None:
+    """Catch inconsistent train.py settings before any model is loaded (ValueError with what to change).
+    choices: {field: its allowed values}, given by the script that defines them."""
     batch = cfg.prompts_per_step * cfg.group_size
     if min(cfg.steps, cfg.prompts_per_step, cfg.group_size, cfg.mini_batch_size, cfg.micro_batch_size) < 1:
         raise ValueError("steps, prompts-per-step, group-size, mini-batch-size and micro-batch-size must be >= 1")
@@ -59,12 +60,10 @@ def check_config(cfg) -> None:
         raise ValueError(f"mini-batch-size {cfg.mini_batch_size} must divide prompts-per-step x group-size = {batch}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max-prompt-tokens {cfg.max_prompt_tokens} must be below max-context {cfg.max_context}")
-    if cfg.on_long_prompt not in ON_LONG_PROMPT:
-        raise ValueError(f"on-long-prompt must be one of {', '.join(ON_LONG_PROMPT)}, not {cfg.on_long_prompt!r}")
-    if cfg.llds_gate not in GATES:
-        raise ValueError(f"llds-gate must be one of {', '.join(GATES)}, not {cfg.llds_gate!r}")
-    if cfg.llds_reduction not in REDUCTIONS:
-        raise ValueError(f"llds-reduction must be one of {', '.join(REDUCTIONS)}, not {cfg.llds_reduction!r}")
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                             f"not {getattr(cfg, name)!r}")
     if cfg.answer_weight != "adaptive":
         try:
             float(cfg.answer_weight)

@@ -7,7 +7,7 @@ but for decode-step attention on CPU, which runs in float32 instead of bf16:
 * `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
 * `hidden_states`: the prompt prefix that all rows share runs once, then is expanded (once
   per no-grad pass at fixed weights, with `run_prefix`'s store);
-* `head_logprobs`: the LM head on model tokens only, in checkpointed chunks;
+* `head_in_chunks`: train.py's `head_logprobs` on model tokens only, in checkpointed chunks;
 * `KVBatch`, `StopChecker`: rollout.py's batch of episodes sharing one KV cache with holes,
   and its per-row stop check that decodes only when a token could close a tag.
 """
@@ -158,27 +158,14 @@ def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_st
     return torch.cat([first_hidden.expand(n, -1, -1), rest], dim=1)
 
 
-def entropy_from_logits(logits):
-    """Token entropy H = -sum_v p_v log p_v from logits (..., V) -> (...); log_softmax (a
-    logsumexp) keeps it stable for large logits. Pass float32 logits for an exact value."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
-def _head_stats(lm_head, hidden, targets, temperature):
-    """hidden (N, H), targets (N,) -> log p(target) (N,) and entropy (N,), float32."""
-    logits = lm_head(hidden).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    return logp, entropy_from_logits(logits)
-
-
-def head_logprobs(lm_head, hidden, targets, temperature, chunk=1024):
-    """log p(target) and entropy (N,), (N,) float32 from hidden states (N, H), in chunks of
-    `chunk` rows; with grad each chunk is checkpointed, so at most chunk x vocab logits live."""
+def head_in_chunks(head_logprobs, lm_head, hidden, targets, temperature, chunk=1024):
+    """head_logprobs(lm_head, hidden, targets, temperature) -> two (N,) float32 (train.py's), run
+    on `chunk` rows of hidden (N, H) and targets (N,) at a time; with grad each chunk is
+    checkpointed, so at most chunk x vocab logits live. The same numbers as one call (tested)."""
     logps, entropies = [], []
     for start in range(0, len(targets), chunk):
         args = (lm_head, hidden[start:start + chunk], targets[start:start + chunk], temperature)
-        lp, ent = checkpoint(_head_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_stats(*args)
+        lp, ent = checkpoint(head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else head_logprobs(*args)
         logps.append(lp)
         entropies.append(ent)
     if not logps:

@@ -1,5 +1,6 @@
 """Run folders: checkpoints (atomic, resumable), RNG state, the metrics log, sample
-trajectories, the prompt sampler. Nothing here changes what is computed."""
+trajectories, the prompt sampler, the step's means of its micro-batch metrics. Nothing here
+changes what is computed."""
 import contextlib
 import json
 import math
@@ -311,38 +312,18 @@ def describe(cfg, device, n_eval: int, bf16: bool) -> str:
             f"search turns, retriever {cfg.retriever} top-{cfg.topk}")
 
 
-def update_stats(logged: list[tuple], norms: list[float]) -> dict:
-    """Token-weighted means over the step's micro-batches (LLDS seq-mean: by preserving
-    responses), the mean finite gradient norm, and a max in which a non-finite norm wins
-    (max([1.0, nan]) is 1.0 in Python): the monitor must see it."""
+def update_stats(logged: list[dict], norms: list[float]) -> dict:
+    """The step's value of every metric logged per micro-batch ({"weight": w, name: value, ...}):
+    its mean weighted by w (None values left out); the mean finite gradient norm, and a max in
+    which a non-finite norm wins (max([1.0, nan]) is 1.0 in Python): the monitor must see it."""
     sums, weights = {}, {}
-    for token_share, llds_share, pg, pg_stats, kl, llds_value, llds_stats in logged:
-        values = {"pg_loss": (pg, token_share), "clip_ratio": (pg_stats["clip_ratio"], token_share),
-                  "ppo_kl": (pg_stats["approx_kl"], token_share), "llds/loss": (llds_value, llds_share),
-                  "llds/active_token_frac": (llds_stats["llds/active_token_frac"], token_share),
-                  "llds/active_action_frac": (llds_stats["llds/active_action_frac"], token_share)}
-        if kl is not None:
-            values["kl"] = (kl, token_share)
-        for name, (value, w) in values.items():
-            sums[name] = sums.get(name, 0.0) + value * w
-            weights[name] = weights.get(name, 0.0) + w
+    for record in logged:
+        for name, value in record.items():
+            if name != "weight" and value is not None:
+                sums[name] = sums.get(name, 0.0) + value * record["weight"]
+                weights[name] = weights.get(name, 0.0) + record["weight"]
     finite = [x for x in norms if math.isfinite(x)]
     return {"kl": None, **{k: sums[k] / weights[k] for k in sums if weights[k] > 0},
             "grad_norm": statistics.fmean(finite) if finite else float("nan"),
             "grad_norm_max": max(norms, key=lambda x: x if math.isfinite(x) else math.inf),
             "grad_norm_nonfinite": len(norms) - len(finite)}
-
-
-def heldout_eval(model, tokenizer, records, retriever, rollout_cfg) -> dict:
-    """Greedy held-out scores through eval.py (the numbers of `python eval.py`, mode "search"),
-    as eval/* metrics; eval/em is the macro average over data sources, as in the paper's tables.
-    The torch RNG stream is left as it was, so evaluating does not change the training run."""
-    from eval import evaluate
-
-    rng = torch.get_rng_state()
-    scores = evaluate(model, tokenizer, records, retriever, "search", rollout_cfg, progress=True)
-    torch.set_rng_state(rng)
-    release_memory()
-    return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
-            "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
-            "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}

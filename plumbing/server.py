@@ -4,18 +4,33 @@ original Search-R1 trainer sends (an empty batch, empty queries, a whole turn in
 missing, null or 0), rejects anything else with a JSON 4xx that says what is wrong, caps the body
 size by the largest valid request, drops clients that stall mid-request, answers backend failures
 with a 500 instead of dying, and serves many clients on threads while searches run one at a time.
+The query rules (`check_queries`, MAX_QUERY_CHARS) live here and retriever.py's in-process
+backends apply the same ones, so a rollout that works in-process works over HTTP.
 """
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from retriever import MAX_QUERY_CHARS, check_queries
-
 # Limits: generous for a rollout batch, small enough that one request can't hog the box.
+MAX_QUERY_CHARS = 2000  # the longest query: the server answers longer ones with a 400, rollout.py cuts to it
 MAX_QUERIES = 4096  # default --max-queries; Search-R1 posts a whole turn: 512 prompts x 5 = 2,560
 MAX_TOPK = 100
 DEFAULT_TOPK = 3  # default --topk, used when a request has no topk (Search-R1's retrieval_topk)
 READ_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after this long
+
+
+def check_queries(queries, topk) -> None:
+    """The request rules of every backend, in-process or served; ValueError saying what is wrong.
+
+    An empty list and empty strings are valid (see retriever.py's docstring).
+    """
+    if not isinstance(queries, (list, tuple)):
+        raise ValueError(f"queries must be a list of strings, got {type(queries).__name__}")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise ValueError(f"queries[{i}] must be a string, got {type(q).__name__}")
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"topk must be a positive integer, got {topk!r}")
 
 
 class BadRequest(Exception):

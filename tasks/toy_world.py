@@ -7,6 +7,8 @@ the companies based there all land in one split. Same seed, same bytes, whatever
 checks read the world back: an oracle that parses the passages with the very templates that wrote
 them answers every question from its support passages; guesses that read nothing stay at chance; raw
 questions find their first hop with BM25. data.py's `toy_world()` caches the result per seed.
+This is the experiment's data, the file to edit for other question kinds, splits or distractors
+(bump TOY_VERSION then, so that cached worlds are rebuilt).
 """
 from __future__ import annotations
 

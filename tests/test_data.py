@@ -1,4 +1,4 @@
-"""Tests for data.py and its generator plumbing/toy_world.py: the toy world (determinism, disjoint
+"""Tests for data.py and its generator tasks/toy_world.py: the toy world (determinism, disjoint
 splits, answers in the passages, oracle EM 1.0, no-search baselines at chance) and the question loaders."""
 import collections
 import contextlib
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import data
-from plumbing import toy_world
+from tasks import toy_world
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl", "meta.json")
@@ -62,7 +62,7 @@ def test_generation_is_fast_and_sized(world, build_seconds):
 
 def test_same_seed_gives_byte_identical_files_in_another_process(world, tmp_path):
     # A different hash seed in a fresh interpreter catches any dependence on set/dict ordering.
-    code = f"from plumbing.toy_world import build_toy_world; build_toy_world(0, {str(tmp_path)!r})"
+    code = f"from tasks.toy_world import build_toy_world; build_toy_world(0, {str(tmp_path)!r})"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
     for name in FILES:

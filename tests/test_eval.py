@@ -269,3 +269,17 @@ def test_cli_drops_long_questions_at_load_and_lists_them_in_the_results(tmp_path
     f.write_text("\n")
     with pytest.raises(SystemExit, match=r"nq\.jsonl: no questions in this file"):
         ev.main(args)
+
+
+def test_flags_are_rollout_config_fields_with_evals_defaults(capsys):
+    args, cfg = ev.parse_args([])
+    assert cfg == ev.EVAL and args.data == ["toy"] and args.on_long_prompt == "drop"
+    args, cfg = ev.parse_args(["--max-turns", "2", "--max-turn-tokens", "64", "--batch-size", "16", "--sample",
+                               "--temperature", "0.7", "--template", "search-r1", "--limit", "10"])
+    assert cfg == ev.dataclasses.replace(ev.EVAL, max_turns=2, max_turn_tokens=64, batch_size=16, greedy=False,
+                                         temperature=0.7, template="search-r1")
+    assert args.limit == 10 and not hasattr(args, "max_turns")
+    for bad in (["--batch-size", "0"], ["--template", "chat"]):
+        with pytest.raises(SystemExit):
+            ev.parse_args(bad)
+    assert "expected a positive integer" in capsys.readouterr().err

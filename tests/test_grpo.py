@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from plumbing.fast_hf import entropy_from_logits
-from train import group_advantages, kl_k3, masked_mean, masked_sum, policy_loss
+from train import entropy_from_logits, group_advantages, kl_k3, masked_mean, masked_sum, policy_loss
 
 NAN, INF = float("nan"), float("inf")
 

@@ -136,7 +136,7 @@ def test_token_logprobs_match_a_full_forward():
         logits = model(input_ids=ids, attention_mask=attention).logits.float()
     # Position t scores token t from the logits at t - 1.
     full = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    full_ent = fast_hf.entropy_from_logits(logits[:, :-1])
+    full_ent = train.entropy_from_logits(logits[:, :-1])
     on = mask[:, 1:].bool()
     assert torch.allclose(logp[:, 1:][on], full[on], atol=1e-5)
     assert torch.allclose(ent[:, 1:][on], full_ent[on], atol=1e-5)
@@ -144,8 +144,8 @@ def test_token_logprobs_match_a_full_forward():
     # the LM head in chunks (here of 3 positions) gives the same numbers as in one piece
     h, targets = torch.randn(7, model.config.hidden_size), torch.randint(0, 250, (7,))
     with torch.no_grad():
-        for chunked, whole in zip(fast_hf.head_logprobs(model.lm_head, h, targets, 0.7, chunk=3),
-                                  fast_hf.head_logprobs(model.lm_head, h, targets, 0.7)):
+        for chunked, whole in zip(fast_hf.head_in_chunks(train.head_logprobs, model.lm_head, h, targets, 0.7, chunk=3),
+                                  train.head_logprobs(model.lm_head, h, targets, 0.7)):
             assert torch.allclose(chunked, whole, atol=1e-6)
 
 
@@ -377,9 +377,9 @@ def test_flags_presets_and_errors(tmp_path):
     helps = cli.field_help(train.Config)
     assert set(helps) == {f.name for f in dataclasses.fields(train.Config)}
     with pytest.raises(ValueError, match="mini-batch-size 5 must divide"):
-        cli.check_config(train.Config(mini_batch_size=5))
+        cli.check_config(train.Config(mini_batch_size=5), train.CHOICES)
     with pytest.raises(ValueError, match="answer-weight"):
-        cli.check_config(train.Config(answer_weight="half"))
+        cli.check_config(train.Config(answer_weight="half"), train.CHOICES)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="--resume"):
@@ -441,6 +441,16 @@ def test_spiral_monitor_names_the_evidence():
     monitor.check(5, {"lld/logp_correct": None, "grad_norm_max": 1.0})
     warnings = monitor.check(6, {"lld/logp_correct": None, "grad_norm_max": 50.0})
     assert len(warnings) == 1 and re.search(r"gradient norm 50 .* running median 1", warnings[0])
+
+
+def test_update_stats_weights_each_metric_by_its_records_weight():
+    logged = [{"weight": 0.25, "pg_loss": 1.0, "kl": None}, {"weight": 0.5, "llds/loss": 4.0},
+              {"weight": 0.75, "pg_loss": 3.0, "kl": None}, {"weight": 0.0, "llds/loss": 9.0},
+              {"weight": 0.0, "unseen": 1.0}]
+    stats = runs.update_stats(logged, [1.0, math.inf, 3.0])
+    assert stats["pg_loss"] == (0.25 * 1.0 + 0.75 * 3.0) / 1.0 and stats["llds/loss"] == 4.0
+    assert stats["kl"] is None and "unseen" not in stats                 # None: not computed; weight 0: no mean
+    assert (stats["grad_norm"], stats["grad_norm_max"], stats["grad_norm_nonfinite"]) == (2.0, math.inf, 1)
 
 
 def test_gpu_check_runs_tiny_on_cpu(capsys):

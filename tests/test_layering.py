@@ -1,0 +1,52 @@
+"""The house's floors: plumbing/ is what the teaching scripts stand on, so no plumbing module
+imports a teaching script (nor tasks/, bench/ or integrations/), at the top or inside a function."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {p.stem for p in ROOT.glob("*.py")}            # train, eval, rollout, retriever, data, llds
+ABOVE = SCRIPTS | {"tasks", "bench", "integrations"}     # what stands on plumbing/
+PLUMBING = sorted((ROOT / "plumbing").glob("*.py"))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports, wherever the import statement is."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_scripts_are_the_ones_the_house_is_built_for():
+    assert {"train", "eval", "rollout", "retriever", "data", "llds"} <= SCRIPTS
+    assert len(PLUMBING) > 10
+
+
+@pytest.mark.parametrize("path", PLUMBING, ids=lambda p: p.name)
+def test_plumbing_imports_no_teaching_script(path):
+    assert not imported_modules(path) & ABOVE, \
+        f"plumbing/{path.name} imports a teaching script: pass what it needs as an argument instead"
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import os\n\ndef f():\n    from eval import evaluate\n    import rollout as r\n")
+    assert imported_modules(module) == {"os", "eval", "rollout"}
+
+
+def test_retriever_serve_loads_retriever_once():
+    # python retriever.py serve used to load retriever.py twice: as __main__ and, through
+    # plumbing/server.py, as `retriever`.
+    code = ("import runpy, sys; sys.argv = ['retriever.py', '--help']\n"
+            "try:\n    runpy.run_path('retriever.py', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print('retriever' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

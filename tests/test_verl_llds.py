@@ -7,6 +7,7 @@ veRL 0.9.1 is installed without its dependencies plus the few its loss code impo
 (requirements-verl.txt); its Ray workers never start here.
 """
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -67,6 +68,21 @@ def test_two_data_parallel_ranks_give_the_one_rank_loss(mode):
     torch.testing.assert_close(sum(halves) / 2, whole)
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_several_ranks_without_global_batch_info_are_an_error_as_in_agg_loss(mode):
+    """Local counts would weigh each rank's half differently: veRL's agg_loss raises, so does LLDS."""
+    log_prob, old, score, mask = verl_batch()
+    advantages = score[:, None] * mask
+    if mode == "token-sum":                           # a plain sum needs no count
+        llds_verl_loss(log_prob, old, advantages, mask, mode, dp_size=2)
+        return
+    with pytest.raises(ValueError, match=f"{mode} with dp_size=2 needs the global"):
+        llds_verl_loss(log_prob, old, advantages, mask, mode, dp_size=2)
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    with pytest.raises(ValueError, match="required when dp_size > 1"):
+        core_algos.agg_loss(log_prob, mask, mode, dp_size=2)
+
+
 def penalised_hinge(log_prob, old, advantages, mask):
     """(B, R): max(0, old - log_prob) on exactly the tokens llds_loss penalises (read off its gradient)."""
     leaf = log_prob.detach().clone().requires_grad_()
@@ -101,11 +117,15 @@ def test_aggregated_like_verls_policy_loss(mode):
 
 
 PATCHED_RUN = """
+import inspect
+import json
 import torch
+from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.utils import tensordict_utils as tu
-from verl.workers.config import ActorConfig
+from verl.utils.config import validate_config
+from verl.workers.config import ActorConfig, PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
-from verl_llds import llds_verl_loss
+from verl_llds import check_verl_config, llds_verl_loss
 
 B, P, R = 4, 3, 6
 torch.manual_seed(0)
@@ -123,13 +143,33 @@ data = tu.get_tensordict({"prompts": torch.ones(B, P, dtype=torch.long),
                           "responses": torch.ones(B, R, dtype=torch.long), "attention_mask": attention_mask,
                           "response_mask": response_mask, "old_log_probs": old, "advantages": advantages},
                          {"dp_size": 1, "batch_num_tokens": int(response_mask.sum()), "global_batch_size": B})
-losses = {}
-for coef in (0.0, 0.2):
-    config = ActorConfig(strategy="fsdp", rollout_n=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
-                         llds_coef=coef)
-    losses[coef], metrics = ppo_loss(config, {"log_probs": flat}, data)
-direct, _ = llds_verl_loss(log_prob, old, advantages, response_mask)
-print(float(losses[0.2] - losses[0.0]), float(0.2 * direct), "actor/llds_loss" in metrics)
+
+
+def actor(coef, loss_mode="vanilla"):
+    return ActorConfig(strategy="fsdp", rollout_n=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                       llds_coef=coef, loss_agg_mode="token-mean", policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+
+
+def refused(call):
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+out = {}
+for loss_mode in ("vanilla", "sapo"):                       # sapo aggregates seq-mean-token-mean, always
+    losses = {coef: ppo_loss(actor(coef, loss_mode), {"log_probs": flat}, data) for coef in (0.0, 0.2)}
+    out[loss_mode] = {"added": float(losses[0.2][0] - losses[0.0][0]),
+                      "logged": "actor/llds_loss" in losses[0.2][1],
+                      **{mode: float(0.2 * llds_verl_loss(log_prob, old, advantages, response_mask, mode)[0])
+                         for mode in ("token-mean", "seq-mean-token-mean")}}
+out["bypass_mode loss"] = refused(lambda: ppo_loss(actor(0.2, "bypass_mode"), {"log_probs": flat}, data))
+out["bypass_mode config"] = refused(lambda: check_verl_config(actor(0.2), RolloutCorrectionConfig(bypass_mode=True)))
+out["decoupled config"] = refused(lambda: check_verl_config(actor(0.2), RolloutCorrectionConfig(bypass_mode=False)))
+out["startup check"] = "check_verl_config(actor_config" in inspect.getsource(validate_config)
+print(json.dumps(out))
 """
 
 
@@ -141,6 +181,13 @@ def test_patch_applies_to_verl_and_adds_llds_to_its_ppo_loss(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "integrations"), str(ROOT)])}
     done = subprocess.run([sys.executable, "-c", PATCHED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    added, expected, logged = done.stdout.split()[-3:]
-    assert float(expected) > 0 and float(added) == pytest.approx(float(expected), rel=1e-5)
-    assert logged == "True"
+    out = json.loads(done.stdout.splitlines()[-1])
+    vanilla, sapo = out["vanilla"], out["sapo"]
+    assert vanilla["token-mean"] > 0 and vanilla["logged"] and sapo["logged"]
+    assert vanilla["added"] == pytest.approx(vanilla["token-mean"], rel=1e-5)
+    # sapo ignores loss_agg_mode="token-mean" for its policy loss; LLDS follows it, not the config.
+    assert sapo["token-mean"] != pytest.approx(sapo["seq-mean-token-mean"], rel=1e-3)
+    assert sapo["added"] == pytest.approx(sapo["seq-mean-token-mean"], rel=1e-5)
+    assert "loss_mode='bypass_mode'" in out["bypass_mode loss"]
+    assert "bypass_mode=True replaces them with the sampler's" in out["bypass_mode config"]
+    assert out["decoupled config"] is None and out["startup check"]

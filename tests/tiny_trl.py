@@ -45,8 +45,9 @@ def chat_tokenizer():
     return tokenizer
 
 
-def tiny_model(tokenizer, seed=0):
-    return random_qwen2(TINY_QWEN2, len(tokenizer), torch.device("cpu"), seed)
+def tiny_model(tokenizer, seed=0, **shape):
+    """A random 2-layer Qwen2 for `tokenizer`; `shape` overrides TINY_QWEN2's fields."""
+    return random_qwen2({**TINY_QWEN2, **shape}, len(tokenizer), torch.device("cpu"), seed)
 
 
 def config(out_dir, **overrides):

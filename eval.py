@@ -187,7 +187,7 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
                 chunk, too_long = rollout.split_long_prompts(chunk, tokenizer, cfg)   # reported, not scored
                 dropped += [r["id"] for r in too_long]
                 if chunk:
-                    episodes = rollout.rollout(model, tokenizer, chunk, retriever, cfg).episodes
+                    episodes = rollout.rollout(model, tokenizer, chunk, retriever, cfg, progress=bar.set_postfix_str).episodes
                     examples += [_example(r, ep, mode) for r, ep in zip(chunk, episodes)]
                 bar.update(len(chunk) + len(too_long))
     finally:

@@ -381,8 +381,9 @@ def _batch_prompts(tokenizer, records: list[dict], cfg: RolloutConfig) -> list[l
 
 
 def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
-               timing: dict) -> list[_Episode]:
-    """All turns of one batch of episodes; returns their final states."""
+               timing: dict, progress) -> list[_Episode]:
+    """All turns of one batch of episodes; returns their final states. progress(text) is told
+    which turn runs."""
     prompts = _batch_prompts(tokenizer, records, cfg)
     episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
     invalid_ids = encode_in_text(tokenizer, INVALID_ACTION)
@@ -395,6 +396,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
     active = list(range(len(episodes)))          # episode index of each cache row
     for turn in range(cfg.max_turns + 1):
         can_search = turn < cfg.max_turns
+        progress(f"turn {turn + 1}/{cfg.max_turns + 1}, {len(active)} episodes going")
         # 1. Generate one turn for every active row, each stopping on its own.
         caps = [min(cfg.max_turn_tokens, cfg.max_context - len(episodes[e].ids)) for e in active]
         new_ids, new_logps = _generate_turn(kv, logits, caps, stops, cfg)
@@ -442,9 +444,11 @@ def _pad(rows: list[list], value, dtype) -> torch.Tensor:
 
 
 @torch.no_grad()  # not inference_mode: under it, autocast's weight cache does not work
-def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig | None = None) -> Rollout:
+def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig | None = None,
+            progress=None) -> Rollout:
     """Run one episode per record (records: {"id", "question", "golds", "data_source"}, optionally
-    "prompt_ids" to bypass the template) in batches of cfg.batch_size. See `Rollout`."""
+    "prompt_ids" to bypass the template) in batches of cfg.batch_size. See `Rollout`.
+    progress: None, or a function given one line of text per turn (a progress bar's description)."""
     cfg = cfg or RolloutConfig()
     if not records:
         raise ValueError("rollout: no records given")
@@ -453,12 +457,16 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below max_context ({cfg.max_context})")
     fast_hf.speed_up_cpu_attention()
+    progress = progress or (lambda text: None)
     timing = {"generate": 0.0, "retrieval": 0.0}
     episodes = []
     device = next(model.parameters()).device
+    n_batches = -(-len(records) // cfg.batch_size)
     for first in range(0, len(records), cfg.batch_size):
+        where = f"batch {first // cfg.batch_size + 1}/{n_batches} " if n_batches > 1 else ""
         with fast_hf.autocast(device, cfg.bf16):
-            episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size], retriever, cfg, timing)
+            episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size], retriever, cfg, timing,
+                                   lambda text: progress(where + text))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results, answer_rows = [], []

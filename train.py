@@ -44,7 +44,7 @@ import retriever as retrieval
 import rollout
 from eval import heldout_eval
 from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
-from plumbing import fast_hf, runs
+from plumbing import fast_hf, report, runs
 from plumbing.cli import check_config, parse_train_args
 from plumbing.models import load_policy, reference_copy
 from plumbing.memory import reuse_freed_memory, peak_memory_gb
@@ -105,6 +105,7 @@ class Config:
     device: str = "auto"               # auto (cuda if available), cuda or cpu
     bf16: bool = True                  # bf16 autocast (fp32 weights) where the device supports it
     grad_checkpointing: bool = False   # recompute activations in backward (GPU memory for long contexts)
+    report_to: str = "none"            # metrics.jsonl also goes to: none, tensorboard, wandb or tensorboard,wandb (TRL's report_to)
 
 
 # The paper's settings (Qwen2.5-3B, NQ+HotpotQA, E5 retriever server; section 4 of the LLDS paper).
@@ -283,9 +284,10 @@ def answer_weight(cfg: Config, episodes: list[dict]) -> float:
 
 # ---- One training step ---------------------------------------------------------------------
 
-def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, run_dir) -> dict:
-    """One GRPO(+LLDS) step: rollouts, advantages, old/ref log-probs, mini-batch updates, monitor."""
-    phases = runs.Phases()
+def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, run_dir, show=None) -> dict:
+    """One GRPO(+LLDS) step: rollouts, advantages, old/ref log-probs, mini-batch updates, monitor.
+    show(text) is told which phase runs (the progress bar)."""
+    phases = runs.Phases(show)
     lr = cfg.lr * min(1.0, step / max(1, round(cfg.warmup_ratio * cfg.steps)))
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -296,7 +298,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     records = [r for r in prompts for _ in range(cfg.group_size)]
     group_ids = torch.arange(len(prompts)).repeat_interleave(cfg.group_size)              # (N,)
     with phases("rollout"):
-        out = rollout.rollout(model, tokenizer, records, retriever, rollout_config(cfg))
+        out = rollout.rollout(model, tokenizer, records, retriever, rollout_config(cfg), progress=phases.note)
 
     # 2. Rewards (exact match of the final answer, one number per episode) and advantages.
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)      # (N,)
@@ -321,7 +323,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     logged, norms = [], []
     model.train()  # no dropout in these models; needed for gradient checkpointing to engage
     with phases("update"):
-        for i, mini in enumerate(minibatches):
+        for i, mini in enumerate(phases.each(minibatches, "mini-batch")):
             optimizer.zero_grad(set_to_none=True)
             idx = torch.cat(mini)
             mini_tokens = batch["loss_mask"][idx].sum().clamp(min=1)
@@ -506,20 +508,22 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
     sampler = runs.PromptSampler(run.train_records, cfg.seed, **state["sampler"])
     monitor = runs.SpiralMonitor(cfg.spiral_window, cfg.spiral_grad_factor, state["monitor"])
     (run.dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    log = report.MetricsLog(run.dir, cfg.report_to, dataclasses.asdict(cfg), start)   # metrics.jsonl (+ TensorBoard, W&B)
     bf16 = fast_hf.bf16_supported(run.device) and cfg.bf16
     runs.record_machine(run.dir, start, run.device, bf16)
     print(runs.describe(cfg, run.device, len(run.eval_records), bf16))
     eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)   # greedy, fixed subset
     if start == 0 and run.eval_records:
         evals["before"] = heldout_eval(run.model, run.tokenizer, run.eval_records, run.retriever, eval_cfg)
-        runs.log_metrics(run.dir, {"step": 0, **evals["before"]})
+        log({"step": 0, **evals["before"]})
         print(f"held-out EM before training: {evals['before']['eval/em']:.3f}")
 
     metrics = {}
-    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="train", unit="step")
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc=cfg.name, unit="step")
     for step in bar:
         metrics = train_step(step, cfg, run.model, run.tokenizer, run.ref, run.optimizer, sampler, run.retriever,
-                             run.device, run.dir)
+                             run.device, run.dir, show=lambda text: bar.set_description_str(f"{cfg.name} {text}"))
+        bar.set_description_str(cfg.name, refresh=False)
         skipped += metrics["grad_norm_nonfinite"]
         metrics["skipped_steps"] = skipped
         metrics["lld/warning"] = monitor.warn(step, metrics)       # 1 when the spiral pattern shows
@@ -528,12 +532,13 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
             evals["after" if step == cfg.steps else f"step {step}"] = {k: v for k, v in metrics.items()
                                                                       if k.startswith("eval/")}
         metrics["memory/peak_gb"] = peak_memory_gb(run.device)   # so far, evaluation included
-        runs.log_metrics(run.dir, metrics)
+        log(metrics)
         bar.set_postfix(runs.postfix(metrics))
         if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             runs.save_checkpoint(run.dir, step, run.model, run.tokenizer, run.optimizer, keep=cfg.keep_ckpts, state={
                 "sampler": sampler.state(), "skipped_steps": skipped, "evals": evals, "monitor": monitor.history})
     bar.close()
+    log.close()
     plot_runs([run.dir])
     summary = {"before": evals.get("before"), "after": evals.get("after"), "last": metrics,
                "peak_memory_gb": peak_memory_gb(run.device)}

@@ -223,6 +223,7 @@ def score_final_checkpoints(run_dirs: list[Path], checkpoints: Path, n: int) -> 
         retriever = retrieval.open_retriever(cfg.retriever, corpus=data.corpus_for([cfg.data], cfg.retriever, cfg.corpus),
                                              index=cfg.index or None)
         eval_cfg = train.rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
+        print(f"{run_dir.name}: scoring {ckpt.name} on {len(records)} held-out questions")
         with torch.no_grad():
             scores = heldout_eval(model, tokenizer, records, retriever, eval_cfg)
         scores = {**scores, "questions": len(records), "checkpoint": ckpt.name,

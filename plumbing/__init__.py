@@ -13,7 +13,9 @@ anything: each module says what it speeds up or takes care of.
                   the KL reference copy; tiny models built in code (tests, GPU check)
     memory.py     glibc allocator settings and peak-memory readings
     runs.py       run folders: checkpoints and RNG state, metrics log, samples, prompt sampler,
-                  phase timing, the spiral monitor's warnings, the step's micro-batch means
+                  phase timing and what the progress bar says of it, the spiral monitor's
+                  warnings, the step's micro-batch means
+    report.py     --report-to: metrics.jsonl's numbers also sent to TensorBoard and/or W&B
     plots.py      training curves of one run, or several overlaid
     cli.py        a config dataclass -> argparse flags whose --help is the field comments
     corpus.py     reading and fingerprinting a corpus file, index metadata

@@ -10,6 +10,8 @@ import typing
 
 import torch
 
+from plumbing.report import check_report_to
+
 
 def field_help(config_class) -> dict[str, str]:
     """{field: the comment after it in the class's source}."""
@@ -69,6 +71,7 @@ def check_config(cfg, choices: dict[str, tuple[str, ...]]) -> None:
             float(cfg.answer_weight)
         except ValueError:
             raise ValueError(f"answer-weight must be a number or 'adaptive', not {cfg.answer_weight!r}") from None
+    check_report_to(cfg.report_to)
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"device must be auto, cuda or cpu, not {cfg.device!r}")
     if cfg.device == "cuda" and not torch.cuda.is_available():

@@ -61,7 +61,11 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     decided by attention masks, never by comparing ids with pad_token_id).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
+    # transformers' own bars (loading weights, "Writing model shards" at every checkpoint) cut
+    # through the run's progress bars and say nothing about the run.
+    logging.disable_progress_bar()
     path = embedded_smollm2() if name_or_path is None else name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -74,6 +78,11 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # transformers 5 never applies this WordPiece clean-up to a BPE tokenizer, and warns once per
+    # run that it does not (mid-way through the first progress bar); off, the text is the same.
+    backend = getattr(tokenizer, "backend_tokenizer", None)          # fast tokenizers only
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
     return model.eval(), tokenizer
 
 

@@ -75,13 +75,27 @@ class PromptSampler:
 
 class Phases:
     """Wall time per phase of a step (`with phases("rollout"): ...`, summed per name in
-    `phases.seconds`); after each phase the freed memory goes back to the OS (release_memory)."""
+    `phases.seconds`); after each phase the freed memory goes back to the OS (release_memory).
+    show(text), e.g. a progress bar's set_description_str, is told which phase runs, and
+    `phases.note(text)` / `phases.each(items, what)` say where inside it the phase is."""
 
-    def __init__(self):
-        self.seconds = {}
+    def __init__(self, show=None):
+        self.seconds, self.current = {}, ""
+        self.show = show or (lambda text: None)
+
+    def note(self, text: str) -> None:
+        self.show(f"{self.current} {text}")
+
+    def each(self, items: list, what: str):
+        """The items, noting "<what> i/n" before each."""
+        for i, item in enumerate(items):
+            self.note(f"{what} {i + 1}/{len(items)}")
+            yield item
 
     @contextlib.contextmanager
     def __call__(self, name: str, release: bool = True):
+        self.current = name
+        self.show(name)
         start = time.perf_counter()
         try:
             yield
@@ -235,7 +249,8 @@ def postfix(m: dict) -> dict:
         return "-" if v is None else f"{v:.3g}"
     return {"reward": fmt(m["reward"]), "logp_c": fmt(m["lld/logp_correct"]),
             "disp_c": fmt(m["lld/displacement_correct"]), "gnorm": fmt(m["grad_norm"]),
-            "llds": fmt(m["llds/loss"]), "ent": fmt(m["entropy"]), "search": fmt(m["searches"])}
+            "llds": fmt(m["llds/loss"]), "ent": fmt(m["entropy"]), "search": fmt(m["searches"]),
+            "step_s": f"{m['timing/step']:.0f}"}
 
 
 class SpiralMonitor:

@@ -80,6 +80,18 @@ def test_two_steps_end_to_end(tmp_path, alternating_rewards):
     assert torch.equal(reloaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
+def test_the_bars_show_each_phase_of_a_step_while_it_runs(tmp_path, alternating_rewards, capsys):
+    model, tokenizer = tiny_policy()
+    train.train(tiny_config(tmp_path, steps=1), model, tokenizer)
+    err = capsys.readouterr().err                     # tqdm writes to stderr, terminal or not
+    shown = ["eval search", "turn 1/2, 2 episodes going",          # the held-out evaluation before
+             "run rollout turn 1/2, 4 episodes going", "run rollout turn 2/2", "run logprob",
+             "run update mini-batch 1/2", "run update mini-batch 2/2",
+             "reward=0.5", "disp_c=", "step_s="]     # then what the step measured
+    at = [err.find(text) for text in shown]
+    assert -1 not in at and at == sorted(at), dict(zip(shown, at))
+
+
 def test_llds_changes_the_update_only_with_several_mini_batches(tmp_path, alternating_rewards):
     def run(name, **kw):
         model, tokenizer = tiny_policy()

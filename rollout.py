@@ -44,9 +44,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
-from plumbing import fast_hf
+from plumbing import fast_hf, long_prompts
+from plumbing.long_prompts import ON_LONG_PROMPT  # noqa: F401  (train.py's and eval.py's flag choices)
 from plumbing.fewshot import FEWSHOT_EXAMPLES, FEWSHOT_INSTRUCTION   # the "fewshot" prompt's text
 from plumbing.tokens import answer_token_span, encode_in_text
 from retriever import MAX_QUERY_CHARS
@@ -196,36 +196,17 @@ def prompt_ids(record: dict, tokenizer, template: str) -> list[int]:
     return build_prompt(record["question"], tokenizer, template)
 
 
-ON_LONG_PROMPT = ("drop", "error")   # what drop_long_prompts does with a prompt over max_prompt_tokens
-
-
 def split_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dict]]:
     """(records whose prompt fits in cfg.max_prompt_tokens, records whose prompt does not), in order."""
-    fits = [len(prompt_ids(r, tokenizer, cfg.template)) <= cfg.max_prompt_tokens
-            for r in tqdm(records, desc="check prompt lengths", unit="q", disable=len(records) < 20_000)]
-    return [r for r, ok in zip(records, fits) if ok], [r for r, ok in zip(records, fits) if not ok]
+    return long_prompts.split_long(records, lambda r: len(prompt_ids(r, tokenizer, cfg.template)), cfg.max_prompt_tokens)
 
 
 def drop_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig, on_long: str = "drop",
                       what: str = "questions") -> tuple[list[dict], list[dict]]:
-    """Checks every prompt once, when the data is loaded, so that no run meets a prompt over
-    cfg.max_prompt_tokens hours in (veRL's filter_overlong_prompts does the same).
-    -> (records kept, records dropped). on_long "drop": one printed line says how many were
-    dropped and which ids; "error": a ValueError naming them. Nothing left: a ValueError."""
-    if on_long not in ON_LONG_PROMPT:
-        raise ValueError(f"on-long-prompt must be one of {', '.join(ON_LONG_PROMPT)}, not {on_long!r}")
-    kept, long = split_long_prompts(records, tokenizer, cfg)
-    if long:
-        ids = ", ".join(str(r.get("id")) for r in long[:10]) + (", ..." if len(long) > 10 else "")
-        over = f"a prompt over max_prompt_tokens={cfg.max_prompt_tokens} tokens ({cfg.template} template): {ids}"
-        if on_long == "error":
-            raise ValueError(f"{len(long)} of {len(records)} {what} have {over}; raise --max-prompt-tokens, "
-                             "remove them, or pass --on-long-prompt drop")
-        print(f"dropped {len(long)} of {len(records)} {what} with {over}")
-    if records and not kept:
-        raise ValueError(f"no {what} left: every prompt is over max_prompt_tokens={cfg.max_prompt_tokens}; "
-                         "raise --max-prompt-tokens")
-    return kept, long
+    """Every prompt checked once, at load: over cfg.max_prompt_tokens it is dropped and named
+    (on_long "drop") or the run stops ("error"). -> (records kept, records dropped)."""
+    return long_prompts.drop_long(records, lambda r: len(prompt_ids(r, tokenizer, cfg.template)),
+                                  cfg.max_prompt_tokens, on_long, what, cfg.template)
 
 
 # ---- Configuration and output -------------------------------------------------------------

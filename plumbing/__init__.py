@@ -22,6 +22,7 @@ anything: each module says what it speeds up or takes care of.
     server.py     the hardened HTTP server behind `retriever.py serve`, and the query rules
                   every retriever backend shares
     reports.py    eval.py's tables and output files
+    long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load
 
 Nothing here imports a top-level script (tests/test_layering.py): what a module needs from one
 is passed in. The toy world's generator is the experiment's data, so it lives in tasks/.

@@ -207,6 +207,7 @@ def heldout_eval(model, tokenizer, records, retriever, rollout_cfg) -> dict:
     release_memory()
     return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
             "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
+            "eval/correct": [int(e["em"]) for e in scores["examples"]],   # per question, in order
             "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
 
 

@@ -20,8 +20,8 @@ Choices and simplifications:
   the exact sampled ids / log-probs are all visible here. The KV cache is kept across turns (a
   new turn feeds only the last sampled token plus the observation); rows are left-padded per
   chunk, and positions come from the attention mask, so every real token sees exactly the
-  context it would see unpadded. The shared few-shot prefix is computed once. The cache and
-  the HF speed-ups behind it (all exact) are in plumbing/fast_hf.py.
+  context it would see unpadded. The shared few-shot prefix is computed and stored once. The
+  cache and the HF speed-ups behind it are in plumbing/fast_hf.py.
 * Search runs only in the first `max_turns` turns; the one extra final turn may only answer.
   A `<search>` there, no action there, or a sampled EOS in any turn ends the episode
   unfinished (the EOS keeps loss 1, so GRPO learns whether stopping paid; the original drops

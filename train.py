@@ -67,7 +67,7 @@ class Config:
     index: str = ""                    # retriever index folder (built there when absent); "" = cache
     template: str = "fewshot"          # prompt: "fewshot" (small models) or "search-r1" (the paper's)
     max_turns: int = 2                 # search turns per episode in training (one answer-only turn follows)
-    topk: int = 3                      # passages per search
+    topk: int = 1                      # passages per search (paper: 3; 1 keeps the CPU demo within 15 min on AVX2)
     max_turn_tokens: int = 32          # sampled tokens per turn (paper: 500)
     max_obs_tokens: int = 200          # tokens per observation (paper: 500)
     max_prompt_tokens: int = 2048      # longer prompts (few-shot template included) are dropped at load
@@ -75,7 +75,7 @@ class Config:
     max_context: int = 4096            # prompt + turns + observations
     temperature: float = 0.7           # sampling temperature of the rollouts (log-probs use the same; paper: 1.0)
     top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off
-    steps: int = 5                     # training steps (one rollout batch each)
+    steps: int = 4                     # training steps (one rollout batch each)
     prompts_per_step: int = 8          # questions per step
     group_size: int = 4                # rollouts per question (GRPO group, G)
     mini_batch_size: int = 16          # trajectories per optimizer step; < prompts x G gives several updates per step
@@ -252,11 +252,13 @@ def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
     return {k: v[idx, :length].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
 
 
-def shuffle_into_minibatches(n: int, cfg: Config) -> list[list[torch.Tensor]]:
-    """Shuffle n trajectories into mini-batches, each a list of micro-batch index tensors. The
+def shuffle_into_minibatches(lengths: torch.Tensor, cfg: Config) -> list[list[torch.Tensor]]:
+    """Shuffle trajectories (lengths (N,)) into mini-batches, each a list of micro-batch index
+    tensors; within a mini-batch, micro-batches take rows of similar length (less padding). The
     old-log-prob pass runs the same micro-batches, so every pass sees the same rows and shapes."""
-    perm = torch.randperm(n)
-    return [list(mb.split(cfg.micro_batch_size)) for mb in perm.split(cfg.mini_batch_size)]
+    perm = torch.randperm(len(lengths))
+    return [list(mb[lengths[mb].argsort(stable=True)].split(cfg.micro_batch_size))
+            for mb in perm.split(cfg.mini_batch_size)]
 
 
 @torch.no_grad()
@@ -265,7 +267,7 @@ def batch_logprobs(model, batch, minibatches, cfg, device) -> tuple[torch.Tensor
     -> (logp, entropy): (N, T) float32 on the CPU, aligned with batch["input_ids"]."""
     n, t = batch["input_ids"].shape
     logp, ent = torch.zeros(n, t), torch.zeros(n, t)
-    prefix_store = {}                                 # fixed weights: the few-shot prefix runs once per pass
+    prefix_store = fast_hf.PrefixStore()              # fixed weights: the few-shot prefix runs once per pass
     for micro in (mu for mb in minibatches for mu in mb):
         r = micro_batch(batch, micro, device)
         with fast_hf.autocast(device, cfg.bf16):
@@ -307,7 +309,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
              "advantages": group_advantages(rewards, group_ids)}                           # (N,)
 
     # 3. Old (rollout-policy) and reference log-probs, in the micro-batches the update will use.
-    minibatches = shuffle_into_minibatches(len(records), cfg)
+    minibatches = shuffle_into_minibatches(out.attention_mask.sum(1), cfg)
     with phases("logprob", release=False):
         # [1:]: mini-batch 0 is updated before any optimizer step, when the policy still is the
         # rollout policy, so its update pass gives its old log-probs (step 4); rows stay 0 till then
@@ -325,6 +327,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     with phases("update"):
         for i, mini in enumerate(phases.each(minibatches, "mini-batch")):
             optimizer.zero_grad(set_to_none=True)
+            prefix = fast_hf.PrefixStore()            # the few-shot prefix runs once per mini-batch
             idx = torch.cat(mini)
             mini_tokens = batch["loss_mask"][idx].sum().clamp(min=1)
             mini_preserving = preserving_responses(batch["advantages"][idx], batch["loss_mask"][idx]).sum().clamp(min=1)
@@ -334,7 +337,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                 token_share = float(mask.sum() / mini_tokens)
                 with fast_hf.autocast(device, cfg.bf16):
                     logp, entropy = token_logprobs(model, r["input_ids"], r["attention_mask"], mask,
-                                                   cfg.temperature, share_prefix=not cfg.grad_checkpointing)
+                                                   cfg.temperature, not cfg.grad_checkpointing, prefix)
                 if i == 0:                            # on-policy: the old log-probs are these, bit for bit
                     r["old_logp"] = logp.detach()
                     batch["old_logp"][micro, :logp.shape[1]], old_entropy[micro, :logp.shape[1]] = \
@@ -359,6 +362,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                                "llds/active_token_frac": llds_stats["llds/active_token_frac"],
                                "llds/active_action_frac": llds_stats["llds/active_action_frac"]})
                 logged.append({"weight": llds_share, "llds/loss": llds_term.item()})
+            prefix.backward()                         # the prefix's gradient, summed over the micro-batches
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             norms.append(norm)
             if math.isfinite(norm):

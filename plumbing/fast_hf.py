@@ -1,12 +1,15 @@
-"""Speed-ups of Hugging Face internals, each exact (same numbers as the plain path, tested),
-but for decode-step attention on CPU, which runs in float32 instead of bf16:
+"""Speed-ups of Hugging Face internals. Each gives the numbers of the plain path (tested) or
+the same math with other rounding, said where it is so:
 
 * `autocast`: the one bf16 check: autocast on CUDA and on CPUs with native bf16 units;
 * `speed_up_cpu_attention`: SDPA's own grouped-query attention instead of HF repeating K/V
-  heads, and decode-step attention in float32 under CPU bf16 autocast;
+  heads, and decode-step attention in float32 under CPU bf16 autocast (other rounding);
 * `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
-* `hidden_states`: the prompt prefix that all rows share runs once, then is expanded (once
-  per no-grad pass at fixed weights, with `run_prefix`'s store);
+* `share_rows`: a rollout's few-shot prefix kept once in the cache for all rows; a decode step
+  attends to it with one product for all rows (float32; other rounding than B copies);
+* `hidden_states`: the prompt prefix that all rows share runs once, then is expanded; with a
+  `PrefixStore`, once per pass at fixed weights, and with grad its backward runs once per
+  mini-batch (the gradient summed in another order);
 * `head_in_chunks`: train.py's `head_logprobs` on model tokens only, in checkpointed chunks;
 * `KVBatch`, `StopChecker`: rollout.py's batch of episodes sharing one KV cache with holes,
   and its per-row stop check that decodes only when a token could close a tag.
@@ -57,6 +60,11 @@ def speed_up_cpu_attention() -> None:
         return (key.device.type == "cpu" and key.shape[-1] == value.shape[-1]) or original(attention_mask, key, value)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        prefix = getattr(key, "shared_prefix", None)           # set by SharedPrefixLayer.update
+        if prefix is not None and query.shape[-2] == 1:
+            return shared_prefix_attention(query, key, value, *prefix, attention_mask, kwargs["scaling"])
+        if prefix is not None:       # many query tokens (an observation): SDPA on copies of the prefix
+            key, value = (torch.cat([p.expand(len(t), -1, -1, -1), t], dim=-2) for p, t in zip(prefix, (key, value)))
         if query.device.type == "cpu" and query.shape[-2] == 1 and torch.is_autocast_enabled("cpu"):
             with torch.autocast("cpu", enabled=False):
                 return sdpa_attention.sdpa_attention_forward(module, query.float(), key.float(), value.float(),
@@ -82,7 +90,7 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, new = self.get_seq_length(), key_states.shape[-2]
+        n, new = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
         buffers = getattr(self, "buffers", None)
         if (buffers is None or buffers[0].data_ptr() != self.keys.data_ptr()
                 or buffers[0].shape[0] != key_states.shape[0] or n + new > buffers[0].shape[-2]):
@@ -96,6 +104,64 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, n:n + new] = states
         self.keys, self.values = (buffer[:, :, :n + new] for buffer in self.buffers)
         return self.keys, self.values
+
+
+class SharedPrefixLayer(GrowingLayer):
+    """A GrowingLayer behind a prefix that all rows share, stored once: prefix keys/values
+    (1, kv_heads, P, d), then each row's own positions (B, kv_heads, S, d) growing in place.
+
+    HF's attention receives only the rows' own keys/values, tagged with the prefix, which the
+    "sdpa" function of `speed_up_cpu_attention` reads (`shared_prefix_attention`). At 32 rows and
+    a 460-token prefix a decode step reads the prefix's keys/values once instead of 32 times.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, n_rows: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.prefix = (keys, values)
+        self.keys = self.values = keys.new_empty(n_rows, keys.shape[1], 0, keys.shape[-1])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states)
+        keys.shared_prefix = self.prefix
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.prefix[0].shape[-2] + self.keys.shape[-2]
+
+
+def shared_prefix_attention(query, key, value, prefix_key, prefix_value, mask, scaling):
+    """One decode step's attention over [the prefix all rows share ; each row's own positions].
+
+    query (B, Hq, 1, d); key, value (B, Hkv, S, d); prefix_key, prefix_value (1, Hkv, P, d); mask
+    None or (B, 1, 1, P + S), bool (True = attend) or additive. Query head h reads kv head
+    h // (Hq / Hkv), as HF's repeat_kv. In float32. -> ((B, 1, Hq, d), None), as HF's sdpa.
+    """
+    n, heads, _, dim = query.shape
+    kv_heads, p = key.shape[1], prefix_key.shape[-2]
+    with torch.autocast(query.device.type, enabled=False):
+        q = query.float().view(n, kv_heads, -1, dim)                                       # (B, Hkv, g, d)
+        # all rows' queries against the one prefix in one product: (Hkv, B*g, d) @ (Hkv, d, P)
+        on_prefix = q.transpose(0, 1).reshape(kv_heads, -1, dim) @ prefix_key[0].float().transpose(1, 2)
+        on_prefix = on_prefix.view(kv_heads, n, -1, p).transpose(0, 1)                     # (B, Hkv, g, P)
+        scores = torch.cat([on_prefix, q @ key.float().transpose(2, 3)], dim=-1) * scaling  # (B, Hkv, g, P+S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = torch.softmax(scores, dim=-1)
+        from_prefix = probs[..., :p].transpose(0, 1).reshape(kv_heads, -1, p) @ prefix_value[0].float()
+        out = from_prefix.view(kv_heads, n, -1, dim).transpose(0, 1) + probs[..., p:] @ value.float()
+    return out.reshape(n, 1, heads, dim).to(query.dtype), None
+
+
+def share_rows(cache, n_rows: int, model) -> None:
+    """Make the one-row cache (the prompt prefix) the start of `n_rows` rows: stored once when
+    the cache and the model's attention allow it (`SharedPrefixLayer`), else copied per row."""
+    layers = getattr(cache, "layers", None)
+    if (getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" and layers
+            and all(type(layer) is GrowingLayer for layer in layers)):
+        cache.layers = [SharedPrefixLayer(layer.keys, layer.values, n_rows) for layer in layers]
+    else:
+        cache.batch_repeat_interleave(n_rows)
 
 
 def new_cache(model):
@@ -114,22 +180,45 @@ def shared_prefix_len(input_ids, attention_mask) -> int:
     return int(same.long().cumprod(0).sum())
 
 
-def run_prefix(model, ids, mask, store: dict | None):
-    """The prefix's last hidden states (1, p, H) and KV cache. With `store` (a dict that lives for
-    one no-grad pass at fixed weights) a prefix already seen in the pass is not run again: its
-    stored hidden states and keys/values are put in a new cache, the very tensors a forward would
-    give, so every number downstream is the same."""
-    key = tuple(ids[0].tolist())
-    if store is not None and key in store:
-        hidden, layers = store[key]
+class PrefixStore:
+    """The few-shot prefix's last hidden states and keys/values, run once per pass at fixed
+    weights (a no-grad pass, or the micro-batches of one mini-batch) and reused by every
+    micro-batch: the very tensors a forward would give, so every forward number is the same.
+
+    With grad, each micro-batch's backward stops at leaves that collect the prefix's gradient,
+    and `backward()` (once, before the optimizer step) runs the prefix's own backward with their
+    sum: the same gradient as a backward through the prefix per micro-batch, the sum taken in
+    another order.
+    """
+
+    def __init__(self):
+        self.prefixes = {}             # prefix ids -> (hidden (1, p, H), [(keys, values)] per layer)
+        self.graphs = []               # (outputs, their leaves) whose backward is still to run
+
+    def run(self, model, ids, mask):
+        """The prefix's last hidden states (1, p, H) and a KV cache holding it."""
+        key = tuple(ids[0].tolist())
+        if key not in self.prefixes:
+            out = model.base_model(input_ids=ids, attention_mask=mask, use_cache=True)
+            tensors = [out.last_hidden_state] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            if torch.is_grad_enabled():
+                leaves = [t.detach().requires_grad_() for t in tensors]
+                self.graphs.append((tensors, leaves))
+                tensors = leaves
+            self.prefixes[key] = (tensors[0], list(zip(tensors[1::2], tensors[2::2])))
+        hidden, layers = self.prefixes[key]
         cache = DynamicCache(config=model.config)
         for i, (keys, values) in enumerate(layers):
             cache.update(keys, values, i)
         return hidden, cache
-    out = model.base_model(input_ids=ids, attention_mask=mask, use_cache=True)
-    if store is not None and not torch.is_grad_enabled():
-        store[key] = (out.last_hidden_state, [(layer.keys, layer.values) for layer in out.past_key_values.layers])
-    return out.last_hidden_state, out.past_key_values
+
+    def backward(self) -> None:
+        """Backward through each prefix run with grad, once, with the gradient its leaves collected."""
+        for tensors, leaves in self.graphs:
+            pairs = [(t, leaf.grad) for t, leaf in zip(tensors, leaves) if leaf.grad is not None and leaf.grad.any()]
+            if pairs:
+                torch.autograd.backward(*zip(*pairs))
+        self.graphs, self.prefixes = [], {}
 
 
 def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_store=None):
@@ -143,14 +232,18 @@ def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_st
     training, so with it (GPU runs) every pass runs `share_prefix=False`: a plain forward. The
     caller picks the path from the config, never from grad mode: in bf16 the two paths differ
     by up to 0.36 nats/token, and old, reference and update log-probs must come from one path.
-    prefix_store: see run_prefix (a no-grad pass over many micro-batches runs the prefix once).
+    prefix_store: a PrefixStore, with which the micro-batches of one pass share one prefix run.
     """
     n, length = input_ids.shape
     p = min(shared_prefix_len(input_ids, attention_mask), length - 1)
     if not share_prefix or n == 1 or p < 16:
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 use_cache=False).last_hidden_state
-    first_hidden, cache = run_prefix(model, input_ids[:1, :p], attention_mask[:1, :p], prefix_store)
+    if prefix_store is None:
+        out = model.base_model(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True)
+        first_hidden, cache = out.last_hidden_state, out.past_key_values
+    else:
+        first_hidden, cache = prefix_store.run(model, input_ids[:1, :p], attention_mask[:1, :p])
     cache.batch_repeat_interleave(n)                  # (1, heads, p, d) -> (n, heads, p, d), differentiable
     positions = torch.arange(p, length, device=input_ids.device).expand(n, -1)
     rest = model.base_model(input_ids=input_ids[:, p:], attention_mask=attention_mask, past_key_values=cache,
@@ -215,7 +308,7 @@ class KVBatch:
             shared = min(shared_prefix_len(ids, torch.ones_like(ids)), shortest - 1)
         if shared:
             self.feed_padded([prompts[0][:shared]])
-            self.cache.batch_repeat_interleave(len(prompts))
+            share_rows(self.cache, len(prompts), self.model)
         return self.feed_padded([p[shared:] for p in prompts])
 
     def keep_rows(self, rows: list[int]) -> None:

@@ -189,6 +189,18 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return json.loads((path / "state.json").read_text())
 
 
+def paired_change(before: dict, after: dict) -> str:
+    """The same questions before and after: how many turned right, how many wrong, and the
+    exact two-sided sign test of those changes (is the change beyond the sample's noise?)."""
+    pairs = list(zip(before.get("eval/correct", []), after.get("eval/correct", [])))
+    right, wrong = sum(a < b for a, b in pairs), sum(a > b for a, b in pairs)
+    if not pairs:
+        return ""
+    n = right + wrong
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(min(right, wrong) + 1)) / 2 ** n) if n else 1.0
+    return f" ({len(pairs)} questions: {right} turned right, {wrong} turned wrong; sign test p = {p:.2g})"
+
+
 def final_report(run_dir: Path, summary: dict) -> str:
     """Final report: EM before/after, where the time went, peak memory."""
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
@@ -198,7 +210,7 @@ def final_report(run_dir: Path, summary: dict) -> str:
     text = [f"run {run_dir}: {len(steps)} steps logged, curves in {run_dir / 'curves.png'}"]
     if summary["before"] and summary["after"]:
         text.append(f"held-out EM: before {summary['before']['eval/em']:.3f} -> after "
-                    f"{summary['after']['eval/em']:.3f}")
+                    f"{summary['after']['eval/em']:.3f}{paired_change(summary['before'], summary['after'])}")
     if total["step"] > 0:
         text.append("step time: " + ", ".join(f"{p} {total[p] / total['step']:.0%}" for p in parts)
                     + f" of {total['step'] / len(steps):.1f} s/step")

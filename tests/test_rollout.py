@@ -344,6 +344,39 @@ def test_recomputed_logprobs_match_sampling_time(prompts):
     assert (out.logp * (1 - out.loss_mask)).abs().sum() == 0
 
 
+def test_shared_prefix_cache_gives_the_logits_of_per_row_copies():
+    """KVBatch keeps the prompts' common prefix once (SharedPrefixLayer); decode steps attend to
+    it with one product for all rows. Same logits as copying it into every row, through holes
+    (a row fed a masked pad), chunks of different lengths and dropped rows; and the cache really
+    holds one copy."""
+    from plumbing import fast_hf
+    fast_hf.speed_up_cpu_attention()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    prompts = [list(range(1, 21)) + list(range(30, 30 + k)) for k in (1, 3, 5)]
+
+    def feeds(kv):
+        yield kv.start(prompts)
+        yield kv.feed(torch.tensor([[3], [4], [5]]), torch.tensor([[1], [0], [1]]))
+        yield kv.feed_padded([[1, 2], [3, 4, 5, 6], [7]])
+        kv.keep_rows([0, 2])
+        yield kv.feed(torch.tensor([[8], [9]]), torch.ones(2, 1, dtype=torch.long))
+
+    with torch.no_grad():
+        shared = fast_hf.KVBatch(model, 0)
+        shared_logits = list(feeds(shared))
+        copied = fast_hf.KVBatch(model, 0)
+        copied.model = type("NoSharing", (), {"config": None, "__call__": lambda self, **kw: model(**kw)})()
+        copied_logits = list(feeds(copied))
+    layer = shared.cache.layers[0]
+    assert type(layer) is fast_hf.SharedPrefixLayer and layer.prefix[0].shape[0] == 1
+    assert type(copied.cache.layers[0]) is fast_hf.GrowingLayer
+    for a, b in zip(shared_logits, copied_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Reward functions
 # ----------------------------------------------------------------------------------------------

@@ -194,12 +194,54 @@ def test_prefix_store_runs_the_prefix_once_and_changes_no_number():
     with torch.no_grad():
         plain = [fast_hf.hidden_states(model, ids, torch.ones_like(ids)) for ids in batches]
         n_plain, calls[:] = len(calls), []
-        store = {}
+        store = fast_hf.PrefixStore()
         stored = [fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store) for ids in batches]
     hook.remove()
     assert n_plain == 6 and len(calls) == 4           # prefix + rest per batch, then the prefix only once
     for a, b in zip(plain, stored):
         assert torch.equal(a, b)                      # bit for bit
+
+
+def test_prefix_store_with_grad_runs_the_prefix_once_and_gives_the_same_gradients():
+    """One mini-batch of three micro-batches: with a PrefixStore the prefix runs forward once
+    and backward once (with the summed gradient); the forward values are bit for bit those of a
+    prefix run per micro-batch and the parameter gradients are the same sums."""
+    model, _ = tiny_policy()
+    prefix = torch.randint(0, 250, (20,))
+    batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1) for _ in range(3)]
+
+    def mini_batch(store):
+        model.zero_grad()
+        hiddens = []
+        for ids in batches:
+            hidden = fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store)
+            (hidden[:, 15:] ** 2).mean().backward()
+            hiddens.append(hidden.detach())
+        if store is not None:
+            assert len(store.graphs) == 1                 # one prefix forward for the three micro-batches
+            store.backward()
+        return hiddens, [p.grad.clone() for p in model.base_model.parameters()]
+
+    plain, plain_grads = mini_batch(None)
+    stored, stored_grads = mini_batch(fast_hf.PrefixStore())
+    for a, b in zip(plain, stored):
+        assert torch.equal(a, b)
+    for g, h in zip(stored_grads, plain_grads):
+        torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in stored_grads[:3])   # the embedding gets the prefix's gradient
+
+
+def test_minibatches_keep_the_shuffle_and_group_rows_of_similar_length():
+    cfg = train.Config(mini_batch_size=4, micro_batch_size=2)
+    lengths = torch.tensor([50, 10, 40, 20, 30, 60, 70, 5])
+    torch.manual_seed(3)
+    perm = torch.randperm(8)
+    torch.manual_seed(3)
+    minibatches = train.shuffle_into_minibatches(lengths, cfg)
+    assert [sorted(torch.cat(mb).tolist()) for mb in minibatches] == [sorted(perm[:4].tolist()), sorted(perm[4:].tolist())]
+    for mb in minibatches:
+        order = lengths[torch.cat(mb)].tolist()
+        assert order == sorted(order) and [len(mu) for mu in mb] == [2, 2]
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, alternating_rewards, monkeypatch):
@@ -539,3 +581,12 @@ def test_a_retriever_lost_mid_run_ends_in_one_line_naming_the_checkpoint(tmp_pat
     assert str(stop.value) == (f"error: retriever http://127.0.0.1:8000/retrieve is unreachable; the run continues "
                                f"from {tmp_path / 'run' / 'ckpt-1'} (step 1) with --resume")
 
+
+
+def test_paired_change_counts_turned_questions_and_gives_the_exact_sign_test():
+    before = {"eval/correct": [0] * 10 + [1] * 5}
+    after = {"eval/correct": [1] * 8 + [0] * 2 + [1] * 4 + [0]}
+    # 8 turned right, 1 turned wrong: p = 2 * (C(9,0) + C(9,1)) / 2^9 = 20 / 512
+    assert runs.paired_change(before, after) == " (15 questions: 8 turned right, 1 turned wrong; sign test p = 0.039)"
+    assert runs.paired_change(before, before).endswith("0 turned right, 0 turned wrong; sign test p = 1)")
+    assert runs.paired_change({}, {}) == ""

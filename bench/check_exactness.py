@@ -41,19 +41,19 @@ def main():
         out = ro.rollout(model, tokenizer, records, search, train.rollout_config(cfg))
         batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                  "loss_mask": out.loss_mask, "answer_mask": out.answer_mask}
-        plan = train.shuffle_into_minibatches(len(records), cfg)
+        plan = train.shuffle_into_minibatches(out.attention_mask.sum(1), cfg)
         for ckpt in (False, True):
             cfg.grad_checkpointing = ckpt
             if ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
             model.train()
-            diffs = []
+            diffs, prefix = [], fast_hf.PrefixStore()          # as train.py's update: one prefix run per mini-batch
             for micro in (mu for mb in plan for mu in mb):
                 r = train.micro_batch(batch, micro, cpu)
                 with fast_hf.autocast(cpu, cfg.bf16):
                     logp, _ = train.token_logprobs(model, r["input_ids"], r["attention_mask"], r["loss_mask"],
-                                                   cfg.temperature, share_prefix=not cfg.grad_checkpointing)
+                                                   cfg.temperature, not cfg.grad_checkpointing, prefix)
                 on = r["loss_mask"].bool()
                 diffs.append((logp.detach() - old[micro, :logp.shape[1]])[on].abs())
             model.eval()

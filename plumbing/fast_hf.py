@@ -38,7 +38,7 @@ def autocast(device: torch.device, enabled: bool = True):
 
 
 def speed_up_cpu_attention() -> None:
-    """Two process-wide switches for SDPA attention on CPU tensors (GPUs keep HF's choices):
+    """Process-wide switches for SDPA attention, two on CPU tensors (GPUs keep HF's choices):
 
     * K/V heads are shared by SDPA itself (enable_gqa) instead of HF repeating them (3x for
       SmolLM2) whenever an attention mask is given, which is always in rollouts (the cache has
@@ -48,6 +48,10 @@ def speed_up_cpu_attention() -> None:
       the CPU bf16 kernel, which at one query token was 4-5x slower than float32 (26 vs 6 ms for
       32 rows x 400 positions). Projections and MLPs stay in bf16; prefill and training are
       unchanged (many query tokens, where the bf16 kernel pays).
+
+    And on any device: keys tagged by a `SharedPrefixLayer` are attended with the shared prefix,
+    in one product for all rows at a decode step (`shared_prefix_attention`), on copies of it
+    for a chunk of many tokens.
     """
     from transformers import AttentionInterface
     from transformers.integrations import sdpa_attention

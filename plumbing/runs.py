@@ -193,9 +193,9 @@ def paired_change(before: dict, after: dict) -> str:
     """The same questions before and after: how many turned right, how many wrong, and the
     exact two-sided sign test of those changes (is the change beyond the sample's noise?)."""
     pairs = list(zip(before.get("eval/correct", []), after.get("eval/correct", [])))
-    right, wrong = sum(a < b for a, b in pairs), sum(a > b for a, b in pairs)
     if not pairs:
         return ""
+    right, wrong = sum(a < b for a, b in pairs), sum(a > b for a, b in pairs)
     n = right + wrong
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(min(right, wrong) + 1)) / 2 ** n) if n else 1.0
     return f" ({len(pairs)} questions: {right} turned right, {wrong} turned wrong; sign test p = {p:.2g})"
@@ -217,8 +217,6 @@ def final_report(run_dir: Path, summary: dict) -> str:
     if summary.get("peak_memory_gb"):
         text.append(f"peak memory {summary['peak_memory_gb']:.2f} GB (allocated on a GPU, process RSS on a CPU)")
     return "\n".join(text)
-
-
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> Path:

@@ -157,6 +157,48 @@ def study_tables(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def headline(runs: list[dict]) -> str:
+    """The study's result in three lines, numbers first (the README's and docs/lld-study.md's)."""
+    done = [r for r in runs if r["finished"]]
+    arm = {a: [r for r in done if r["arm"] == a] for a in ARMS}
+
+    def mean(a, key):
+        values = [key(r) for r in arm[a] if key(r) is not None]
+        return statistics.fmean(values) if values else None
+
+    def diff(key):                                    # (mean, lo, hi, LLDS higher, seeds) of LLDS - GRPO
+        diffs = [b - a for _, a, b in paired(done, key)]
+        return (*bootstrap_mean(diffs), sum(d > 0 for d in diffs), len(diffs)) if len(diffs) >= 2 else None
+
+    def interval(d, spec):
+        return f"{d[0]:{spec}} [{d[1]:{spec}}, {d[2]:{spec}}]"
+
+    disp, em, reward = diff(lambda r: r["disp_sum"]), diff(lambda r: r["em_final"]), diff(lambda r: r["reward_last5"])
+    if not (disp and em and reward):
+        return "(fewer than two seeds with both arms finished: no paired result yet)"
+    sizes = sorted({n for r in done for n in r["em_heldout"]})
+    lines = [f"**LLDS cut the displacement of correct responses in {disp[3]} of {disp[4]} seeds:** their summed "
+             f"negative displacement (mean over seeds) was {mean('grpo', lambda r: r['disp_sum']):.1f} nats under plain "
+             f"GRPO and {mean('llds', lambda r: r['disp_sum']):.1f} under LLDS (paired difference {disp[0]:+.1f}, 95% "
+             f"bootstrap interval [{disp[1]:+.1f}, {disp[2]:+.1f}])."]
+    outcome = (f"Plain GRPO collapsed in {sum(r['collapse'] is not None for r in arm['grpo'])} of {len(arm['grpo'])} "
+               f"runs, LLDS in {sum(r['collapse'] is not None for r in arm['llds'])} of {len(arm['llds'])}; final "
+               f"held-out EM (30 questions) {mean('grpo', lambda r: r['em_final']):.2f} against "
+               f"{mean('llds', lambda r: r['em_final']):.2f}, paired difference LLDS - GRPO {interval(em, '+.2f')}, "
+               f"LLDS higher in {em[3]} of {em[4]} seeds")
+    big = diff(lambda r: r["em_heldout"].get(sizes[-1])) if sizes else None
+    if big:
+        seeds = [s for s, _, _ in paired(done, lambda r: r["em_heldout"].get(sizes[-1]))]
+        outcome += (f"; on {sizes[-1]} questions (seeds {seeds[0]}-{seeds[-1]}) "
+                    f"{mean('grpo', lambda r: r['em_heldout'].get(sizes[-1])):.2f} against "
+                    f"{mean('llds', lambda r: r['em_heldout'].get(sizes[-1])):.2f}, paired {interval(big, '+.2f')}")
+    lines.append(f"**Outcome:** {outcome}.")
+    lines.append(f"Training reward over the last 5 steps: {mean('grpo', lambda r: r['reward_last5']):.2f} plain GRPO, "
+                 f"{mean('llds', lambda r: r['reward_last5']):.2f} LLDS (paired {interval(reward, '+.2f')}). "
+                 f"{min(len(a) for a in arm.values())} seeds per arm of the 10 planned.")
+    return "\n".join(lines)
+
+
 def draw(run_dirs: list[Path], runs: list[dict], out: Path) -> Path:
     """Four panels; one colour per arm, each seed a thin line, the per-step median bold, an X
     where a run collapsed."""
@@ -250,6 +292,7 @@ def main(argv=None):
     for kind in sorted({r["precision"] for r in runs}):
         group = [r for r in runs if r["precision"] == kind]
         print(f"### {kind}: seeds {', '.join(str(s) for s in sorted({r['seed'] for r in group}))}\n")
+        print(headline(group) + "\n")
         print(study_tables(group) + "\n")
     if args.figure:                                   # the precision with the most runs; never pooled
         kind = max({r["precision"] for r in runs}, key=lambda k: sum(r["precision"] == k for r in runs))

@@ -80,4 +80,9 @@ def test_study_keeps_precisions_apart(tmp_path, capsys):
     assert "### bf16: seeds 0, 1" in out and "### fp32: seeds 2" in out
     assert "| final EM, 30 questions | 2 | +0.200 | [+0.200, +0.200] | 2 / 0 / 0 |" in out
     assert "| plain GRPO | 2 / 2 | 0 / 2 | 0.30 |" in out
+    # the headline, by hand: GRPO's 5 steps at -1 sum to -5 nats, LLDS's at +1 to 0; EM 0.3 vs 0.5
+    assert ("in 2 of 2 seeds:** their summed negative displacement (mean over seeds) was -5.0 nats under plain GRPO "
+            "and 0.0 under LLDS (paired difference +5.0, 95% bootstrap interval [+5.0, +5.0])") in out
+    assert "final held-out EM (30 questions) 0.30 against 0.50, paired difference LLDS - GRPO +0.20 [+0.20, +0.20]" in out
+    assert "Training reward over the last 5 steps: 0.20 plain GRPO, 0.40 LLDS (paired +0.20 [+0.20, +0.20])" in out
     assert (tmp_path / "fig.png").stat().st_size > 0

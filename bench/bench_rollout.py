@@ -43,6 +43,26 @@ def timed(model, tokenizer, records, bm25, cfg, seed=0):
     return out, time.perf_counter() - start
 
 
+def live_share(out) -> tuple[int, int]:
+    """(row-steps that sampled a token, row-steps decoded) of a batched rollout: in each turn every
+    row still going is decoded until the turn's longest row stops, so a row that stopped early is
+    fed pads. From the loss mask: turn k of each episode is its k-th run of model tokens."""
+    turns = []                                        # per episode: its turns' lengths
+    for row in out.loss_mask.tolist():
+        runs, length = [], 0
+        for m in row + [0.0]:
+            if m:
+                length += 1
+            elif length:
+                runs, length = runs + [length], 0
+        turns.append(runs)
+    live = decoded = 0
+    for k in range(max(len(t) for t in turns)):
+        lengths = [t[k] for t in turns if len(t) > k]
+        live, decoded = live + sum(lengths), decoded + max(lengths) * len(lengths)
+    return live, decoded
+
+
 def rss_child(args) -> None:
     """Runs in a fresh process: load, roll out --rss-episodes as one batch, print peak RSS."""
     model, tokenizer, records, bm25 = setup(args.rss_episodes)
@@ -93,6 +113,9 @@ def main() -> None:
     print(f"speed-up batched / one-at-a-time: {rate_batched / rate_one:.2f}x (target >= 4x)")
     print(f"retrieval share of the batched rollout: {100 * share:.2f}% over {searches} searches "
           f"({batched.timing['retrieval']:.3f} s; target < 10%)")
+    live, decoded = live_share(batched)
+    print(f"batched decode: {live} of {decoded} row-steps sampled a token ({100 * live / decoded:.0f}%); the rest "
+          f"fed rows that had stopped, waiting for the longest row of their turn")
     print(f"episodes finished: {sum(e['finished'] for e in batched.episodes)}/{len(records)}, "
           f"mean EM {sum(e['em'] for e in batched.episodes) / len(records):.2f}")
 

@@ -231,6 +231,17 @@ def test_batch_episodes_finish_at_different_turns():
     assert [e["queries"] for e in out.episodes] == [[], ["b1", "b2"], ["c1"]]
 
 
+def test_bench_rollout_counts_rows_fed_after_they_stopped():
+    from types import SimpleNamespace
+
+    from bench.bench_rollout import live_share
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 0],      # turns of 3 and 1 tokens
+                         [0, 1, 0, 0, 0, 0, 0, 0],      # one turn of 1
+                         [0, 1, 1, 0, 0, 1, 1, 1]])     # turns of 2 and 3
+    # turn 1: 3 + 1 + 2 = 6 tokens in 3 rows x 3 steps; turn 2: 1 + 3 = 4 in 2 rows x 3 steps
+    assert live_share(SimpleNamespace(loss_mask=mask.float())) == (10, 15)
+
+
 def test_long_observation_is_cut_before_the_closing_tag():
     head, tail = "\n\n<information>", "</information>\n\n"
     passage = 'Doc 1(Title: "q") ' + "x" * 200

@@ -16,6 +16,9 @@ Outcome measures (fixed before the seeds 3+ ran; the collapse rule is bench/lld_
 - training reward over the last 5 steps;
 - displacement of the correct responses: summed over the steps where it was negative, the worst
   step, and the number of steps where it was negative.
+Added after seeds 0-8 had run, and labelled post hoc wherever it is printed: held-out EM at or
+below 0.05 (1 of 30 questions) at an evaluation after step 0, a breakdown the collapse rule does
+not see when entropy falls instead of rising.
 
 --score N evaluates the final checkpoint of every finished run found under --checkpoints (the
 folder train.py wrote, e.g. runs/compare-grpo-s3) on the first N questions of the run's fixed
@@ -38,6 +41,7 @@ from plumbing.plots import read_metrics  # noqa: E402
 ARMS = {"grpo": "plain GRPO", "llds": "GRPO + LLDS"}
 COLOURS = {"grpo": "tab:red", "llds": "tab:blue"}
 NAME = re.compile(r"compare-(grpo|llds)-s(\d+)$")
+EM_LOW = 0.05                                         # post hoc: "held-out EM fell to <= 0.05"
 
 
 def precision(run_dir: Path) -> str:
@@ -61,6 +65,7 @@ def run_summary(run_dir: Path) -> dict:
     out = {"run": run_dir.name, "arm": arm, "seed": int(seed), "precision": precision(run_dir),
            "steps": len(train), "finished": finished,
            "collapse": collapse_step(train) if train else None,
+           "em_low": next((s for s, em in evals if s > 0 and em <= EM_LOW), None),
            "em_first": evals[0][1] if evals else None,
            "em_final": evals[-1][1] if finished and evals and evals[-1][0] == steps else None,
            "reward_last5": statistics.fmean(l["reward"] for l in train[-5:]) if finished else None,
@@ -97,11 +102,11 @@ def study_tables(runs: list[dict]) -> str:
     out = []
     sizes = sorted({n for r in runs for n in r["em_heldout"]})
     big = sizes[-1] if sizes else None
-    out.append("| arm | runs finished / started | collapses | final EM, 30 q (mean) | "
+    out.append("| arm | runs finished / started | collapses | EM fell to <= 0.05 (post hoc) | final EM, 30 q (mean) | "
                + (f"final EM, {big} q (mean, runs) | " if big else "")
                + "reward, last 5 steps (mean) | summed negative displacement (mean) | "
                "worst displacement (median) | steps with negative displacement (mean of 20) |")
-    out.append("|---" * (8 + bool(big)) + "|")
+    out.append("|---" * (9 + bool(big)) + "|")
     for arm, label in ARMS.items():
         mine = [r for r in runs if r["arm"] == arm]
         done = [r for r in mine if r["finished"]]
@@ -110,6 +115,7 @@ def study_tables(runs: list[dict]) -> str:
         big_scores = [r["em_heldout"][big] for r in done if big in r["em_heldout"]]
         cells = [label, f"{len(done)} / {len(mine)}",
                  f"{sum(r['collapse'] is not None for r in done)} / {len(done)}",
+                 f"{sum(r['em_low'] is not None for r in done)} / {len(done)}",
                  fmt(statistics.fmean(r["em_final"] for r in done) if done else None)]
         if big:
             cells.append(f"{fmt(statistics.fmean(big_scores) if big_scores else None)} ({len(big_scores)})")
@@ -136,8 +142,8 @@ def study_tables(runs: list[dict]) -> str:
                    f"{sum(d > 0 for d in diffs)} / {sum(d < 0 for d in diffs)} / {sum(d == 0 for d in diffs)} |")
     out.append("")
     out.append("| seed | final EM 30 q: GRPO / LLDS | " + (f"EM {big} q: GRPO / LLDS | " if big else "")
-               + "collapse: GRPO / LLDS | summed negative displacement: GRPO / LLDS |")
-    out.append("|---" * (4 + bool(big)) + "|")
+               + "collapse: GRPO / LLDS | EM <= 0.05 (post hoc): GRPO / LLDS | summed negative displacement: GRPO / LLDS |")
+    out.append("|---" * (5 + bool(big)) + "|")
     for seed in sorted({r["seed"] for r in runs}):
         g = next((r for r in runs if r["seed"] == seed and r["arm"] == "grpo"), None)
         l = next((r for r in runs if r["seed"] == seed and r["arm"] == "llds"), None)
@@ -152,6 +158,7 @@ def study_tables(runs: list[dict]) -> str:
         if big:
             cells.append(both(lambda r: fmt(r["em_heldout"].get(big))))
         cells += [both(lambda r: f"step {r['collapse']}" if r["collapse"] else "-"),
+                  both(lambda r: f"step {r['em_low']}" if r["em_low"] else "-"),
                   both(lambda r: fmt(r["disp_sum"], ".1f"))]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

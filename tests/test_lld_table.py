@@ -57,6 +57,9 @@ def test_run_summary_measures_by_hand(tmp_path):
     assert (s["disp_sum"], s["disp_worst"], s["disp_neg_steps"]) == (-5.25, -3.0, 3)
     unfinished = lld_study.run_summary(write_run(tmp_path, "grpo", 3, [0.1] * 3, [0.0] * 3, 0.1, steps=20))
     assert not unfinished["finished"] and unfinished["em_final"] is None
+    assert s["em_low"] is None and unfinished["em_low"] is None      # EM 0.2 -> 0.4; 0.2 -> 0.1
+    fell = lld_study.run_summary(write_run(tmp_path, "grpo", 4, [0.1] * 4, [0.0] * 4, 0.05))
+    assert fell["em_low"] == 4                                       # 0.05 at step 4: at the threshold
 
 
 def test_bootstrap_interval_and_pairing():
@@ -79,7 +82,7 @@ def test_study_keeps_precisions_apart(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "### bf16: seeds 0, 1" in out and "### fp32: seeds 2" in out
     assert "| final EM, 30 questions | 2 | +0.200 | [+0.200, +0.200] | 2 / 0 / 0 |" in out
-    assert "| plain GRPO | 2 / 2 | 0 / 2 | 0.30 |" in out
+    assert "| plain GRPO | 2 / 2 | 0 / 2 | 0 / 2 | 0.30 |" in out
     # the headline, by hand: GRPO's 5 steps at -1 sum to -5 nats, LLDS's at +1 to 0; EM 0.3 vs 0.5
     assert ("in 2 of 2 seeds:** their summed negative displacement (mean over seeds) was -5.0 nats under plain GRPO "
             "and 0.0 under LLDS (paired difference +5.0, 95% bootstrap interval [+5.0, +5.0])") in out

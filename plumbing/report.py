@@ -6,14 +6,17 @@ Both are optional dependencies: asking for one that is not installed is one clea
 any model loads (check_report_to). W&B runs offline when WANDB_MODE says so or no API key is
 set, and says where the offline run went and how to upload it. None values (a metric not
 measured this step, a non-finite number) are left out, as metrics.jsonl writes them as null.
+open_run_log starts a train.py run's log files: config.json, machine.json, metrics.jsonl.
 """
+import dataclasses
 import importlib.util
 import json
 import os
 import uuid
 from pathlib import Path
 
-from plumbing.runs import json_safe, log_metrics
+from plumbing import fast_hf
+from plumbing.runs import describe, json_safe, log_metrics, record_machine
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0"}   # pinned in requirements-test.txt
@@ -65,6 +68,18 @@ class MetricsLog:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def open_run_log(run_dir: Path, cfg, step: int, device, n_eval: int) -> MetricsLog:
+    """A train.py run starting at `step`: <run>/config.json, the machine and precision it runs in
+    (machine.json), its setting in one printed line, and its MetricsLog."""
+    config = dataclasses.asdict(cfg)
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1))
+    log = MetricsLog(run_dir, cfg.report_to, config, step)
+    bf16 = fast_hf.bf16_supported(device) and cfg.bf16
+    record_machine(run_dir, step, device, bf16)
+    print(describe(cfg, device, n_eval, bf16))
+    return log
 
 
 def open_tensorboard(run_dir: Path, config: dict, start_step: int):

@@ -1,5 +1,7 @@
-"""Run folders: checkpoints (atomic, resumable), RNG state, the metrics log, sample
-trajectories, the prompt sampler, the step's means of its micro-batch metrics. Nothing here
+"""Run folders: what train.py's setup() prepares (Run), checkpoints (atomic, resumable) and the
+model folder eval.py finds in them, RNG state, the metrics log, sample trajectories, the prompt
+sampler, a micro-batch's rows, the step's means of its micro-batch metrics and its timing, the
+spiral monitor and its shared-first-search count, the one-line exit of a user error. Nothing here
 changes what is computed."""
 import contextlib
 import json
@@ -11,13 +13,59 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.memory import release_memory
+from plumbing.memory import release_memory, reuse_freed_memory
+
+
+@dataclass
+class Run:
+    """What train.py's setup() prepares for one run."""
+    device: torch.device
+    dir: Path                          # <out_dir>/<name>
+    train_records: list[dict]          # the training questions whose prompt fits
+    eval_records: list[dict]           # the fixed held-out subset
+    retriever: object                  # anything with .search(queries, topk)
+    model: torch.nn.Module             # the policy, fp32 weights
+    tokenizer: object
+    ref: torch.nn.Module | None        # the frozen initial policy of the KL term; None when kl_coef is 0
+    optimizer: torch.optim.Optimizer
+
+
+def pick_device(name: str) -> torch.device:
+    """--device auto, cuda or cpu -> the device (auto: cuda when torch sees a GPU)."""
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def start_run_dir(run_dir: Path, resume: bool, seed: int) -> Path:
+    """A run's start: the allocator settings of long runs, its folder (prepare_run_dir), the seeds."""
+    reuse_freed_memory()
+    run_dir = prepare_run_dir(run_dir, resume)
+    seed_everything(seed)
+    return run_dir
+
+
+@contextlib.contextmanager
+def user_errors_exit(run_dir: Path):
+    """A user's error (bad path, flag or data) ends the program in one line, "error: ..."; a lost
+    retriever (ConnectionError mid-run) also says which checkpoint --resume continues from."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except ConnectionError as e:
+        raise SystemExit(f"error: {e}{resume_hint(run_dir)}") from None
+
+
+def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
+    """The trajectories `idx` of a batch of (N, T) tensors, cut to their longest real length."""
+    length = int(batch["attention_mask"][idx].sum(1).max())
+    return {k: v[idx, :length].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
 
 
 def seed_everything(seed: int) -> None:
@@ -41,6 +89,22 @@ def find_checkpoint(run_dir: Path) -> Path | None:
         return run_dir / pointer.read_text().strip()
     done = [p for p in run_dir.glob("ckpt-*") if (p / "state.json").exists()]
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def resolve_model(path: str | None) -> str | None:
+    """eval.py's --model: a train.py checkpoint may be given at any level: the HF folder
+    (config.json), a ckpt-<step> folder holding model/, or a run folder (the checkpoint its
+    `latest` names, as train.py resumes from). Anything that is not a folder (None = embedded
+    default, a hub name) passes through."""
+    if path is None or not Path(path).is_dir():
+        return path
+    p = find_checkpoint(Path(path)) or Path(path)  # a run folder's own config.json is train.py's
+    if (p / "model" / "config.json").exists():
+        p = p / "model"
+    if not (p / "config.json").exists():
+        raise ValueError(f"{path}: no model here (expected an HF model folder with config.json, "
+                         "a ckpt-<step> folder with model/, or a run folder with ckpt-* inside)")
+    return str(p)
 
 
 class PromptSampler:
@@ -104,6 +168,13 @@ class Phases:
             if release:
                 release_memory()
 
+    def timing(self, rollout_timing: dict, n_generated: int) -> dict:
+        """The step's timing/<phase> and timing/step seconds; timing/retrieval (inside the rollout)
+        and the rollout's sampled tokens per second of generation."""
+        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "timing/retrieval": rollout_timing["retrieval"],
+                "timing/step": sum(self.seconds.values()),
+                "rollout_tokens_per_s": n_generated / max(rollout_timing["generate"], 1e-9)}
+
 
 def log_metrics(run_dir: Path, metrics: dict) -> None:
     with open(run_dir / "metrics.jsonl", "a") as f:
@@ -119,7 +190,9 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def write_samples(path: Path, records: list[dict], episodes: list[dict], n: int) -> None:
-    """A few full trajectories as readable text: half correct (when there are), half not."""
+    """A few (n; 0 = none, no file) full trajectories as readable text: half correct (when there are), half not."""
+    if not n:
+        return
     correct = [i for i, e in enumerate(episodes) if e["reward"] > 0]
     wrong = [i for i, e in enumerate(episodes) if e["reward"] <= 0]
     chosen = correct[:n // 2]
@@ -263,6 +336,18 @@ def postfix(m: dict) -> dict:
             "step_s": f"{m['timing/step']:.0f}"}
 
 
+def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: torch.Tensor) -> float | None:
+    """Fraction of (correct, incorrect) response pairs of one group with the same first search query
+    (lower-cased, whitespace collapsed); None when no group has both. The paper's mechanism: such pairs
+    share a context prefix, and pushing the incorrect one down drags the correct one's likelihood."""
+    first = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in episodes]
+    pairs = [(i, j) for i in range(len(first)) for j in range(len(first))
+             if group_ids[i] == group_ids[j] and correct[i] and not correct[j]]
+    if not pairs:
+        return None
+    return sum(first[i] is not None and first[i] == first[j] for i, j in pairs) / len(pairs)
+
+
 class SpiralMonitor:
     """Warns when the death-spiral pattern shows: the log-likelihood of correct responses falls
     `window` steps in a row (phase II of the paper's figure 2), or the gradient norm jumps above
@@ -340,7 +425,8 @@ def describe(cfg, device, n_eval: int, bf16: bool) -> str:
 def update_stats(logged: list[dict], norms: list[float]) -> dict:
     """The step's value of every metric logged per micro-batch ({"weight": w, name: value, ...}):
     its mean weighted by w (None values left out); the mean finite gradient norm, and a max in
-    which a non-finite norm wins (max([1.0, nan]) is 1.0 in Python): the monitor must see it."""
+    which a non-finite norm wins (max([1.0, nan]) is 1.0 in Python): the monitor must see it;
+    grad_zero 1.0 when every norm was exactly 0 (every group tied: nothing to learn from)."""
     sums, weights = {}, {}
     for record in logged:
         for name, value in record.items():
@@ -351,4 +437,4 @@ def update_stats(logged: list[dict], norms: list[float]) -> dict:
     return {"kl": None, **{k: sums[k] / weights[k] for k in sums if weights[k] > 0},
             "grad_norm": statistics.fmean(finite) if finite else float("nan"),
             "grad_norm_max": max(norms, key=lambda x: x if math.isfinite(x) else math.inf),
-            "grad_norm_nonfinite": len(norms) - len(finite)}
+            "grad_norm_nonfinite": len(norms) - len(finite), "grad_zero": float(all(n == 0 for n in norms))}

@@ -483,21 +483,29 @@ _RELATION_REGEXES = [_template_regex(t) for t in RELATION_TEMPLATES]
 _QUESTION_REGEXES = _question_regexes()
 
 
+def parse_question(question: str) -> tuple[str, str | None, tuple, str | None] | None:
+    """(a, b, relation chain, comparison) of a toy question, read by its template; None if no
+    template wrote it. b and the comparison are None for single-hop and bridge questions."""
+    for pattern, chain, op in _QUESTION_REGEXES:
+        m = pattern.fullmatch(question)
+        if m:
+            return m["a"], m.groupdict().get("b"), chain, op
+    return None
+
+
 def oracle_answer(question: str, passages: list[str]) -> str | None:
     """Answer a toy question from its support passages: the question's template names the
     relation chain, the passages' templates give the facts. None when something is missing."""
-    facts = read_facts(passages)
-    for pattern, chain, op in _QUESTION_REGEXES:
-        m = pattern.fullmatch(question)
-        if not m:
-            continue
-        if op is None:
-            return _follow(facts, m["a"], chain)
-        years = {x: _follow(facts, x, chain) for x in (m["a"], m["b"])}
-        if None in years.values():
-            return None
-        return (min if op == "min" else max)((m["a"], m["b"]), key=lambda x: int(years[x]))
-    return None
+    facts, parsed = read_facts(passages), parse_question(question)
+    if parsed is None:
+        return None
+    a, b, chain, op = parsed
+    if op is None:
+        return _follow(facts, a, chain)
+    years = {x: _follow(facts, x, chain) for x in (a, b)}
+    if None in years.values():
+        return None
+    return (min if op == "min" else max)((a, b), key=lambda x: int(years[x]))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -534,7 +534,8 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
     correct = torch.tensor([True, False, True, False])
     assert train.displacement(model, batch, plan, correct, old, cfg, cpu) == {
-        "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0}
+        "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0,
+        "lld/displacement_correct_search": 0.0, "lld/displacement_correct_answer": 0.0}
     # the same rows regrouped (what the monitor did before) are not bit-identical
     regrouped, _ = train.batch_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
     assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0
@@ -590,3 +591,41 @@ def test_paired_change_counts_turned_questions_and_gives_the_exact_sign_test():
     assert runs.paired_change(before, after) == " (15 questions: 8 turned right, 1 turned wrong; sign test p = 0.039)"
     assert runs.paired_change(before, before).endswith("0 turned right, 0 turned wrong; sign test p = 1)")
     assert runs.paired_change({}, {}) == ""
+
+
+def test_tied_groups_and_zero_gradient_steps_are_named(tmp_path, alternating_rewards):
+    from types import SimpleNamespace
+    ep = {"em": 0.0, "f1": 0.0, "n_search": 0, "n_valid": 0, "finished": False, "queries": []}
+    out = SimpleNamespace(episodes=[ep] * 6, loss_mask=torch.ones(6, 2), logp=torch.zeros(6, 2))
+    stats = train.rollout_stats(out, torch.zeros(6, 2), torch.tensor([1., 1., 0., 1., 0., 0.]),
+                                torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert stats["frac_reward_zero_std"] == pytest.approx(2 / 3)     # groups 0 (1, 1) and 2 (0, 0) tie
+    train.train(tiny_config(tmp_path, name="signal"), *tiny_policy())
+    assert [l["grad_zero"] for l in step_lines(tmp_path / "signal")] == [0.0, 0.0]
+    assert [l["frac_reward_zero_std"] for l in step_lines(tmp_path / "signal")] == [0.0, 0.0]
+
+
+def test_every_group_tied_gives_an_exactly_zero_gradient_flagged(tmp_path):
+    # a random model never answers: reward 0 everywhere, and with no entropy, KL or LLDS term the
+    # loss has no gradient at all (AdamW still decays the weights)
+    train.train(tiny_config(tmp_path, llds=False, entropy_coef=0.0, eval_size=0), *tiny_policy())
+    lines = step_lines(tmp_path / "run")
+    assert [l["grad_zero"] for l in lines] == [1.0, 1.0] and [l["grad_norm"] for l in lines] == [0.0, 0.0]
+    assert [l["frac_reward_zero_std"] for l in lines] == [1.0, 1.0]
+
+
+def test_displacement_splits_into_search_turns_and_the_answer_turn(monkeypatch):
+    # row 0 correct: turns at 1-2 (search) and 4-5 (answer, <answer> on 5); row 1 correct, no answer; row 2 wrong
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    answer = torch.tensor([[0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6], dtype=torch.float32)
+    old = torch.zeros(3, 6)
+    after = torch.tensor([[9., -1., -2., 9., 0.5, -3.], [9., 1., 1., -4., 9., 9.], [5.] * 6])
+    batch = {"loss_mask": mask, "answer_mask": answer}
+    monkeypatch.setattr(train, "batch_logprobs", lambda *a: (after, None))
+    out = train.displacement(None, batch, [[torch.tensor([0, 1, 2])]], torch.tensor([True, True, False]),
+                             old, None, None)
+    # row 0: search -3, answer -2.5 (total -5.5); row 1: search -2, answer 0 (total -2)
+    assert out["lld/displacement_correct"] == pytest.approx(-3.75)
+    assert out["lld/displacement_correct_search"] == pytest.approx(-2.5)
+    assert out["lld/displacement_correct_answer"] == pytest.approx(-1.25)
+    assert out["lld/frac_correct_fell"] == 1.0

@@ -1,0 +1,192 @@
+"""sft.py: supervised warm-start of a search agent on a scripted policy's episodes, before RL.
+
+Read top to bottom: configuration, the data (episodes of a scripted policy, rolled out by the very
+`rollout.rollout` that RL uses), the loss, the loop. `python sft.py --model <folder> --data <questions>`
+writes <out>/model, an HF folder that `train.py --model <out>/model` starts from.
+
+Why: GRPO learns only from groups whose rewards differ, so a policy that never answers right gets
+no signal (cold-start starvation). Every large RL stack ships a supervised warm-start first (veRL,
+SkyRL, TRL, prime-rl; nanochat's chat_sft.py before chat_rl.py). Here the demonstrations are not
+human-written: a scripted policy (`SCRIPTS`; the LLD lab's noisy searcher of tasks/lab.py) writes
+each model turn from the episode so far, and the environment appends real BM25 observations. So the
+prompt, the observations, the token layout and the loss mask are exactly those RL will see.
+
+The loss is next-token cross-entropy on model tokens only (`loss_mask`): prompts and retrieved
+passages are context, never targets, as in RL (nanochat masks tool output the same way). AdamW,
+linear warm-up then cosine decay, a held-out loss on episodes of the test questions, and at the end
+the sampled (T = 1) and greedy held-out EM of the warm-started model: the number the lab needs.
+Simplified: episodes are generated once, before training (a fixed data set), and padded per batch.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import data
+import retriever as retrieval
+import rollout
+from eval import heldout_eval
+from plumbing import fast_hf, runs
+from plumbing.cli import add_config_flags
+from plumbing.models import load_policy
+from plumbing.scripted import ScriptedPolicy
+from tasks.lab import noisy_searcher
+
+SCRIPTS = {"noisy": noisy_searcher}    # context text, rng -> the next model turn
+
+
+@dataclass
+class Config:
+    out: str = "runs/sft"              # output folder: metrics.jsonl, config.json, model/ (the HF folder)
+    seed: int = 0                      # seeds the script's draws, the shuffling and torch
+    model: str = ""                    # HF model folder to warm-start; "" = embedded SmolLM2-135M-Instruct
+    data: str = "toy_nq"               # questions (as train.py's --data); its train split is trained on, its test split held out
+    corpus: str = ""                   # JSONL corpus of the in-process retriever; "" = the toy world's
+    retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL
+    script: str = "noisy"              # the scripted policy that writes the demonstrations (SCRIPTS)
+    questions: int = 0                 # training questions used (the first N); 0 = all
+    episodes_per_question: int = 8     # scripted episodes per training question (each a new draw of the script)
+    heldout_questions: int = 100       # test questions whose scripted episodes give the held-out loss
+    template: str = "search-r1"        # prompt: "search-r1" (the paper's) or "fewshot"
+    max_turns: int = 2                 # search turns per episode (one answer-only turn follows)
+    topk: int = 3                      # passages per search
+    max_turn_tokens: int = 32          # tokens per scripted turn (longer turns are cut, as in RL)
+    max_obs_tokens: int = 200          # tokens per observation
+    epochs: int = 2                    # passes over the training episodes
+    batch_size: int = 16               # episodes per optimizer step
+    lr: float = 1e-3                   # AdamW peak learning rate (1e-3 suits a ~1M model; 1e-5 a 135M one)
+    warmup_steps: int = 50             # linear warm-up, then cosine decay to 10% of lr
+    weight_decay: float = 0.01         # AdamW weight decay
+    grad_clip: float = 1.0             # gradient-norm clip
+    eval_every: int = 100              # held-out loss every N optimizer steps (and at the end)
+    eval_size: int = 200               # held-out questions scored at the end (greedy and sampled EM); 0 = none
+    eval_samples: int = 4              # samples per held-out question for the sampled (T = 1) EM
+    bf16: bool = False                 # bf16 autocast where the CPU/GPU supports it
+
+
+def scripted_episodes(questions, tokenizer, retriever, cfg: Config, copies: int, seed: int) -> dict:
+    """`copies` episodes of the scripted policy per question -> (N, T) input_ids, attention_mask,
+    loss_mask (1 on the tokens the script wrote) and the episodes' results."""
+    ro_cfg = rollout.RolloutConfig(max_turns=cfg.max_turns, topk=cfg.topk, max_turn_tokens=cfg.max_turn_tokens,
+                                   max_obs_tokens=cfg.max_obs_tokens, template=cfg.template, greedy=True,
+                                   bf16=False)
+    records = [q for q in questions for _ in range(copies)]
+    out = rollout.rollout(ScriptedPolicy(SCRIPTS[cfg.script], tokenizer, seed), tokenizer, records, retriever, ro_cfg)
+    return {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "loss_mask": out.loss_mask,
+            "episodes": out.episodes}
+
+
+def sft_loss(model, input_ids, attention_mask, loss_mask):
+    """Mean next-token cross-entropy over model tokens: (B, T) ids and masks -> scalar.
+    lm_head runs on the hidden states that predict a model token, nothing else."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state   # (B, T, H)
+    picked = loss_mask[:, 1:].bool()                  # (B, T-1): the hidden state at t predicts token t + 1
+    logits = model.get_output_embeddings()(hidden[:, :-1][picked]).float()                           # (N, V)
+    return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][picked])
+
+
+def batch_of(episodes: dict, idx: torch.Tensor, device) -> dict:
+    length = int(episodes["attention_mask"][idx].sum(1).max())       # right-padded: cut the common padding
+    return {k: episodes[k][idx, :length].to(device) for k in ("input_ids", "attention_mask", "loss_mask")}
+
+
+@torch.no_grad()
+def heldout_loss(model, episodes: dict, cfg: Config, device) -> float:
+    losses, weights = [], []
+    for idx in torch.arange(len(episodes["input_ids"])).split(cfg.batch_size):
+        b = batch_of(episodes, idx, device)
+        with fast_hf.autocast(device, cfg.bf16):
+            losses.append(sft_loss(model, **b).item())
+        weights.append(float(b["loss_mask"][:, 1:].sum()))
+    return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+
+
+def parse_args(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description="Supervised warm-start on a scripted policy's episodes "
+                                     "(next-token loss on model tokens only); writes <out>/model for train.py --model.")
+    add_config_flags(parser, Config, script={"choices": sorted(SCRIPTS)})
+    return Config(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    runs.seed_everything(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_policy(cfg.model or None)
+    model.to(device)
+
+    # 1. The data: scripted episodes of the training questions, and of held-out test questions.
+    corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
+    retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus)
+    train_q = data.load_questions(cfg.data, split="train", limit=cfg.questions or None)
+    test_q = data.heldout_set(cfg.data, max(cfg.heldout_questions, cfg.eval_size))
+    start = time.perf_counter()
+    train = scripted_episodes(train_q, tokenizer, retriever, cfg, cfg.episodes_per_question, cfg.seed)
+    held = scripted_episodes(test_q[:cfg.heldout_questions], tokenizer, retriever, cfg, 1, cfg.seed + 1)
+    script_em = sum(e["em"] for e in train["episodes"]) / len(train["episodes"])
+    print(f"{len(train['input_ids'])} scripted episodes of {len(train_q)} questions in "
+          f"{time.perf_counter() - start:.0f} s; the script's own EM {script_em:.3f}, "
+          f"{int(train['loss_mask'].sum())} target tokens")
+
+    # 2. The loop: shuffled batches, AdamW, warm-up then cosine decay, held-out loss now and then.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    n = len(train["input_ids"])
+    steps = cfg.epochs * math.ceil(n / cfg.batch_size)
+    log = open(out_dir / "metrics.jsonl", "w")
+    bar = tqdm(total=steps, desc="sft", unit="step")
+    step = 0
+    for epoch in range(cfg.epochs):
+        for idx in torch.randperm(n).split(cfg.batch_size):
+            step += 1
+            warm = min(1.0, step / max(cfg.warmup_steps, 1))
+            decay = 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+            lr = cfg.lr * warm * decay
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            model.train()
+            with fast_hf.autocast(device, cfg.bf16):
+                loss = sft_loss(model, **batch_of(train, idx, device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+            optimizer.step()
+            model.eval()
+            metrics = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), "grad_norm": norm}
+            if step % cfg.eval_every == 0 or step == steps:
+                metrics["heldout_loss"] = heldout_loss(model, held, cfg, device)
+            log.write(json.dumps(metrics) + "\n")
+            log.flush()
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}", heldout=f"{metrics.get('heldout_loss', float('nan')):.3f}")
+    bar.close()
+
+    # 3. Save the warm-started model, then score it as RL will start from it.
+    model.save_pretrained(out_dir / "model")
+    tokenizer.save_pretrained(out_dir / "model")
+    summary = {"script_em": script_em, "heldout_loss": metrics["heldout_loss"]}
+    if cfg.eval_size:
+        ro_cfg = rollout.RolloutConfig(max_turns=cfg.max_turns, topk=cfg.topk, max_turn_tokens=cfg.max_turn_tokens,
+                                       max_obs_tokens=cfg.max_obs_tokens, template=cfg.template, greedy=True,
+                                       temperature=1.0, bf16=cfg.bf16)
+        summary.update(heldout_eval(model, tokenizer, test_q[:cfg.eval_size], retriever, ro_cfg,
+                                    samples=cfg.eval_samples))
+    log.write(json.dumps({"step": step, **{k: v for k, v in summary.items() if k != "eval/correct"}}) + "\n")
+    log.close()
+    print(f"held-out loss {summary['heldout_loss']:.3f}; " + (
+        f"held-out EM greedy {summary['eval/em']:.3f}, sampled at T=1 {summary['eval/em_sampled']:.3f} "
+        f"({cfg.eval_size} questions x {cfg.eval_samples}); " if cfg.eval_size else "")
+        + f"model: {out_dir / 'model'} (train.py --model {out_dir / 'model'})")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

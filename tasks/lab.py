@@ -1,0 +1,243 @@
+"""The LLD lab's setting: a small Llama-style model, its own tokenizer, and the noisy scripted
+searcher whose episodes warm-start it (sft.py), before plain GRPO and GRPO + LLDS (train.py).
+
+Why a lab: the paper's death spiral needs a policy that has already learned (groups that carry
+signal), T = 1 sampling, correct and incorrect responses that share a prefix, several updates per
+rollout batch and hundreds of small steps. A 135M model cannot take hundreds of steps on a 2-core
+CPU; a ~1M-parameter model of the same architecture family can, on the same code path (rollout
+with BM25 search over the toy world, loss masks, train.py, llds.py). docs/lab/prereg.md fixes
+everything here before any RL run.
+
+* Questions: the toy world's single-hop training questions (toy_nq), split by the entity they ask
+  about into an SFT half and an RL half (no entity in both); held-out: the toy world's test split
+  (other countries, so unseen names).
+* The scripted searcher (`noisy_searcher`) writes `<search> name </search>`, reads the returned
+  passages with the toy world's own templates, and answers `<answer> value </answer>`. Its
+  mistakes are drawn from MIXTURE: a wrong first query (surname only, one vowel changed, or the
+  question's other words), and a wrong answer (the asked relation of a retrieved distractor, or
+  another fact of the right passage). Many of its wrong episodes therefore share the correct
+  episode's first search, as in the paper (about half of its incorrect responses do).
+* Tokenizer: byte-level BPE of VOCAB_SIZE tokens trained here on the corpus, the questions and
+  the prompt text (as nanochat trains its own); the model: LlamaForCausalLM from MODEL_SHAPE,
+  randomly initialised with a fixed seed, then pretrained (`pretrain`: next-token loss on every
+  token of the passages and questions) so that it brings a language prior, above all copying a
+  name from its context, to SFT. Without it the SFT model memorised its training names and
+  never copied a new one (sampled held-out EM 0.001 after 1,428 SFT steps). All of it is built
+  once into the cache (`build_lab`), never committed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from pathlib import Path
+
+LAB_VERSION = 1  # bump when anything below changes, so cached lab folders are rebuilt
+
+# How the scripted searcher errs: fixed before any RL run (docs/lab/prereg.md).
+MIXTURE = {
+    "search_right": 0.70,      # first query = the asked entity's full name
+    "wrong_query": {"surname": 1 / 3, "vowel_variant": 1 / 3, "question_words": 1 / 3},
+    "answer_right": 0.45,      # answer = the asked relation, read from the passage titled with the asked name
+    "wrong_answer": {"distractor_same_relation": 0.6, "right_doc_other_fact": 0.4},
+}
+VOCAB_SIZE = 2048
+MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=1024)
+MODEL_SEED = 0
+PRETRAIN_STEPS = 600           # language-model steps on the corpus before SFT (pretrain)
+
+_QUESTION_LINE = re.compile(r"Question: (.+?\?)\n")
+_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+_PASSAGE = re.compile(r'Doc \d+\(Title: (".*?")\) (.*)')
+
+
+# ---- The noisy scripted searcher ------------------------------------------------------------
+
+def _wrong_query(name: str, question: str, rng: random.Random) -> str:
+    kind = rng.choices(list(MIXTURE["wrong_query"]), weights=list(MIXTURE["wrong_query"].values()))[0]
+    words = name.split()
+    if kind == "surname" and len(words) > 1:
+        return words[-1]
+    if kind in ("surname", "vowel_variant"):
+        spots = [i for i, c in enumerate(name) if c in "aeiou"]
+        i = rng.choice(spots)
+        return name[:i] + rng.choice([v for v in "aeiou" if v != name[i]]) + name[i + 1:]
+    return " ".join(question.replace(name, " ").rstrip("?").split())
+
+
+def _answer(name: str, relation: str, passages: list[str], rng: random.Random) -> str:
+    from tasks.toy_world import read_facts
+
+    facts = read_facts(passages)
+    right = facts.get(name, {}).get(relation)
+    if right is not None and rng.random() < MIXTURE["answer_right"]:
+        return right
+    wrong = {"distractor_same_relation": [f[relation] for t, f in facts.items() if t != name and relation in f],
+             "right_doc_other_fact": [v for k, v in facts.get(name, {}).items() if k != relation]}
+    kinds = [k for k in MIXTURE["wrong_answer"] if wrong[k]]
+    if not kinds:       # nothing of the kind retrieved: any fact of a retrieved passage, else a title
+        values = [v for f in facts.values() for v in f.values()] or [p.partition("\n")[0].strip('"') for p in passages]
+        return rng.choice(values) if values else "unknown"
+    kind = rng.choices(kinds, weights=[MIXTURE["wrong_answer"][k] for k in kinds])[0]
+    return rng.choice(wrong[kind])
+
+
+def noisy_searcher(context: str, rng: random.Random) -> str | None:
+    """The next turn of the scripted searcher, from the episode's text so far (plumbing/scripted.py
+    calls it): a search of the asked name (or a MIXTURE mistake) first, then an answer read from
+    the last observation. None before the question is complete (a shared prompt prefix)."""
+    from tasks.toy_world import parse_question
+
+    questions = _QUESTION_LINE.findall(context)       # the few-shot prompt's examples come first
+    parsed = parse_question(questions[-1]) if questions else None
+    if parsed is None:
+        return None
+    name, _, chain, _ = parsed
+    after = context[context.rfind("Question: " + questions[-1]):]
+    observations = _INFORMATION.findall(after)
+    if not observations:
+        query = name if rng.random() < MIXTURE["search_right"] else _wrong_query(name, questions[-1], rng)
+        return f"<search> {query} </search>"
+    passages = [f"{m[1]}\n{m[2]}" for m in map(_PASSAGE.match, observations[-1].strip().split("\n")) if m]
+    return f"<answer> {_answer(name, chain[0], passages, rng)} </answer>"
+
+
+# ---- Questions, tokenizer and model ---------------------------------------------------------
+
+def _half(question: str) -> str:
+    """"sft" or "rl", by a hash of the entity the question asks about (the same on every machine)."""
+    from tasks.toy_world import parse_question
+
+    name = parse_question(question)[0]
+    return "sft" if hashlib.sha256(name.encode()).digest()[0] % 2 == 0 else "rl"
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=True) + "\n" for r in rows), encoding="utf-8")
+
+
+def write_question_sets(world_dir: Path, out_dir: Path) -> None:
+    """out_dir/{sft,rl}/{train,test}.jsonl: toy_nq training questions split by entity; test is the
+    toy world's toy_nq test split for both (held-out EM of the RL runs; held-out loss of SFT)."""
+    rows = {s: [json.loads(line) for line in open(world_dir / f"{s}.jsonl", encoding="utf-8")]
+            for s in ("train", "test")}
+    single = {s: [r for r in rs if r["data_source"] == "toy_nq"] for s, rs in rows.items()}
+    for half in ("sft", "rl"):
+        _write_jsonl(out_dir / half / "train.jsonl", [r for r in single["train"] if _half(r["question"]) == half])
+        _write_jsonl(out_dir / half / "test.jsonl", single["test"])
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE trained on `texts` (GPT-2's pre-tokenizer), EOS "<eos>" = pad, no chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tokenizer_texts(world_dir: Path, prompt_texts: list[str]) -> list[str]:
+    """What the tokenizer learns from: every passage, every question, and the prompt and tag texts
+    (repeated as often as the episodes repeat them)."""
+    corpus = [json.loads(line)["contents"] for line in open(world_dir / "corpus.jsonl", encoding="utf-8")]
+    questions = [json.loads(line)["question"] for s in ("train", "test")
+                 for line in open(world_dir / f"{s}.jsonl", encoding="utf-8")]
+    return corpus + questions + prompt_texts * (len(questions) // max(len(prompt_texts), 1))
+
+
+def random_model(vocab_size: int, eos_id: int, shape: dict = MODEL_SHAPE, seed: int = MODEL_SEED):
+    """LlamaForCausalLM of `shape`, randomly initialised from `seed`, fp32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, **shape)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def pretrain(model, tokenizer, texts: list[str], steps: int = PRETRAIN_STEPS, seed: int = MODEL_SEED,
+             batch: int = 16, length: int = 256, lr: float = 3e-3) -> list[float]:
+    """Next-token loss on EVERY token of `texts` (the corpus and the questions), packed into rows of
+    `length` tokens: the language prior a pretrained model brings, at toy scale. The passages repeat
+    their title in their first sentence, which is where a model learns to copy a name from its
+    context. AdamW, cosine decay; returns the loss of each step."""
+    import math
+
+    import torch
+
+    ids = [i for t in texts for i in tokenizer(t + tokenizer.eos_token, add_special_tokens=False)["input_ids"]]
+    rows = torch.tensor(ids[:len(ids) // length * length]).view(-1, length)                 # (R, length)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    model.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * step / steps))
+        x = rows[torch.randint(len(rows), (batch,), generator=generator)]
+        loss = model(input_ids=x, labels=x).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def lab_dir() -> Path:
+    import plumbing
+
+    return plumbing.cache_dir() / "lab" / f"v{LAB_VERSION}"
+
+
+def build_lab() -> Path:
+    """The lab's folder, built once: init/ (the random model + tokenizer), base/ (init pretrained on the
+    corpus: the model sft.py warm-starts; HF folders both), sft/ and rl/ (question sets), corpus.jsonl
+    (the toy world's passages). Deterministic: the same bytes on every machine."""
+    import os
+    import shutil
+    import tempfile
+
+    import data
+    import rollout
+
+    target = lab_dir()
+    if (target / "base" / "config.json").exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)              # a build that was killed half-way
+    world = data.toy_world()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+    write_question_sets(world, tmp)
+    shutil.copy(world / "corpus.jsonl", tmp / "corpus.jsonl")   # --corpus of every lab run
+    fixed = [rollout.SEARCH_R1_TEMPLATE.split("{question}")[0], rollout.INVALID_ACTION,
+             "<search> x </search>\n\n<information>Doc 1(Title: \"X\") y\nDoc 2(Title: \"X\") y\n"
+             "Doc 3(Title: \"X\") y</information>\n\n<answer> x </answer>"]
+    texts = tokenizer_texts(world, fixed)
+    tokenizer = train_tokenizer(texts)
+    model = random_model(len(tokenizer), tokenizer.eos_token_id)
+    model.save_pretrained(tmp / "init")
+    tokenizer.save_pretrained(tmp / "init")
+    losses = pretrain(model, tokenizer, tokenizer_texts(world, []))   # the passages and questions only
+    model.eval().save_pretrained(tmp / "base")
+    tokenizer.save_pretrained(tmp / "base")
+    (tmp / "base" / "pretrain_loss.json").write_text(json.dumps(losses[::50] + losses[-1:]))
+    try:  # atomic: another process may be building the same lab at the same time
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+if __name__ == "__main__":
+    print(build_lab())

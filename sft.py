@@ -61,7 +61,7 @@ class Config:
     epochs: int = 2                    # passes over the training episodes
     batch_size: int = 16               # episodes per optimizer step
     lr: float = 1e-3                   # AdamW peak learning rate (1e-3 suits a ~1M model; 1e-5 a 135M one)
-    warmup_steps: int = 50             # linear warm-up, then cosine decay to 10% of lr
+    warmup_steps: int = 50             # linear warm-up, then cosine decay to a tenth of lr
     weight_decay: float = 0.01         # AdamW weight decay
     grad_clip: float = 1.0             # gradient-norm clip
     eval_every: int = 100              # held-out loss every N optimizer steps (and at the end)

@@ -28,6 +28,8 @@ anything: each module says what it speeds up or takes care of.
     reports.py    eval.py's tables and output files
     long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load, or
                   refused by rollout()
+    scripted.py   a Python function that writes each model turn, dressed as an HF causal LM so
+                  that rollout() drives it (sft.py's demonstrations)
 
 Nothing here imports a top-level script (tests/test_layering.py): what a module needs from one
 is passed in. The toy world's generator is the experiment's data, so it lives in tasks/.

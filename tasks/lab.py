@@ -13,8 +13,8 @@ everything here before any RL run.
   (other countries, so unseen names).
 * The scripted searcher (`noisy_searcher`) writes `<search> name </search>`, reads the returned
   passages with the toy world's own templates, and answers `<answer> value </answer>`. Its
-  mistakes are drawn from MIXTURE: a wrong first query (surname only, one vowel changed, or the
-  question's other words), and a wrong answer (the asked relation of a retrieved distractor, or
+  mistakes are drawn from MIXTURE: a wrong first query (the surname only, or the question's other
+  words), and a wrong answer (the asked relation of a retrieved distractor, or
   another fact of the right passage). Many of its wrong episodes therefore share the correct
   episode's first search, as in the paper (about half of its incorrect responses do).
 * Tokenizer: byte-level BPE of VOCAB_SIZE tokens trained here on the corpus, the questions and
@@ -38,7 +38,8 @@ LAB_VERSION = 1  # bump when anything below changes, so cached lab folders are r
 # How the scripted searcher errs: fixed before any RL run (docs/lab/prereg.md).
 MIXTURE = {
     "search_right": 0.70,      # first query = the asked entity's full name
-    "wrong_query": {"surname": 1 / 3, "vowel_variant": 1 / 3, "question_words": 1 / 3},
+    "wrong_query": {"surname": 1 / 2, "question_words": 1 / 2},   # (a name with one vowel changed taught
+    #                                                                     the model to garble the names it copies)
     "answer_right": 0.45,      # answer = the asked relation, read from the passage titled with the asked name
     "wrong_answer": {"distractor_same_relation": 0.6, "right_doc_other_fact": 0.4},
 }
@@ -46,7 +47,8 @@ VOCAB_SIZE = 2048
 MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=1024)
 MODEL_SEED = 0
-PRETRAIN_STEPS = 600           # language-model steps on the corpus before SFT (pretrain)
+PRETRAIN_WORLDS = (1, 2, 3, 4)  # toy worlds of other seeds: the lab's templates, none of its names or facts
+PRETRAIN_STEPS = 1500          # language-model steps on the corpus before SFT (pretrain)
 
 _QUESTION_LINE = re.compile(r"Question: (.+?\?)\n")
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
@@ -60,11 +62,7 @@ def _wrong_query(name: str, question: str, rng: random.Random) -> str:
     words = name.split()
     if kind == "surname" and len(words) > 1:
         return words[-1]
-    if kind in ("surname", "vowel_variant"):
-        spots = [i for i, c in enumerate(name) if c in "aeiou"]
-        i = rng.choice(spots)
-        return name[:i] + rng.choice([v for v in "aeiou" if v != name[i]]) + name[i + 1:]
-    return " ".join(question.replace(name, " ").rstrip("?").split())
+    return " ".join(question.replace(name, " ").rstrip("?").split())   # a one-word name: its question's words
 
 
 def _answer(name: str, relation: str, passages: list[str], rng: random.Random) -> str:
@@ -228,7 +226,7 @@ def build_lab() -> Path:
     model = random_model(len(tokenizer), tokenizer.eos_token_id)
     model.save_pretrained(tmp / "init")
     tokenizer.save_pretrained(tmp / "init")
-    losses = pretrain(model, tokenizer, tokenizer_texts(world, []))   # the passages and questions only
+    losses = pretrain(model, tokenizer, [t for seed in PRETRAIN_WORLDS for t in tokenizer_texts(data.toy_world(seed), [])])
     model.eval().save_pretrained(tmp / "base")
     tokenizer.save_pretrained(tmp / "base")
     (tmp / "base" / "pretrain_loss.json").write_text(json.dumps(losses[::50] + losses[-1:]))

@@ -46,7 +46,7 @@ class Config:
     out: str = "runs/sft"              # output folder: metrics.jsonl, config.json, model/ (the HF folder)
     seed: int = 0                      # seeds the script's draws, the shuffling and torch
     model: str = ""                    # HF model folder to warm-start; "" = embedded SmolLM2-135M-Instruct
-    data: str = "toy_nq"               # questions (as train.py's --data); its train split is trained on, its test split held out
+    data: str = "toy_nq"               # questions as train.py's --data: its train split is trained on, its test split held out
     corpus: str = ""                   # JSONL corpus of the in-process retriever; "" = the toy world's
     retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL
     script: str = "noisy"              # the scripted policy that writes the demonstrations (SCRIPTS)
@@ -70,14 +70,19 @@ class Config:
     bf16: bool = False                 # bf16 autocast where the CPU/GPU supports it
 
 
+def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
+    """The episodes' settings, greedy: the script's turns exactly (the sampled evaluation samples at T = 1)."""
+    settings = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_turn_tokens=cfg.max_turn_tokens, greedy=True,
+                    max_obs_tokens=cfg.max_obs_tokens, template=cfg.template, temperature=1.0, bf16=cfg.bf16)
+    return rollout.RolloutConfig(**{**settings, **overrides})
+
+
 def scripted_episodes(questions, tokenizer, retriever, cfg: Config, copies: int, seed: int) -> dict:
     """`copies` episodes of the scripted policy per question -> (N, T) input_ids, attention_mask,
     loss_mask (1 on the tokens the script wrote) and the episodes' results."""
-    ro_cfg = rollout.RolloutConfig(max_turns=cfg.max_turns, topk=cfg.topk, max_turn_tokens=cfg.max_turn_tokens,
-                                   max_obs_tokens=cfg.max_obs_tokens, template=cfg.template, greedy=True,
-                                   bf16=False)
     records = [q for q in questions for _ in range(copies)]
-    out = rollout.rollout(ScriptedPolicy(SCRIPTS[cfg.script], tokenizer, seed), tokenizer, records, retriever, ro_cfg)
+    out = rollout.rollout(ScriptedPolicy(SCRIPTS[cfg.script], tokenizer, seed), tokenizer, records, retriever,
+                          rollout_config(cfg, bf16=False))
     return {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "loss_mask": out.loss_mask,
             "episodes": out.episodes}
 
@@ -174,17 +179,15 @@ def main(argv=None) -> dict:
     tokenizer.save_pretrained(out_dir / "model")
     summary = {"script_em": script_em, "heldout_loss": metrics["heldout_loss"]}
     if cfg.eval_size:
-        ro_cfg = rollout.RolloutConfig(max_turns=cfg.max_turns, topk=cfg.topk, max_turn_tokens=cfg.max_turn_tokens,
-                                       max_obs_tokens=cfg.max_obs_tokens, template=cfg.template, greedy=True,
-                                       temperature=1.0, bf16=cfg.bf16)
-        summary.update(heldout_eval(model, tokenizer, test_q[:cfg.eval_size], retriever, ro_cfg,
+        summary.update(heldout_eval(model, tokenizer, test_q[:cfg.eval_size], retriever, rollout_config(cfg),
                                     samples=cfg.eval_samples))
     log.write(json.dumps({"step": step, **{k: v for k, v in summary.items() if k != "eval/correct"}}) + "\n")
     log.close()
-    print(f"held-out loss {summary['heldout_loss']:.3f}; " + (
-        f"held-out EM greedy {summary['eval/em']:.3f}, sampled at T=1 {summary['eval/em_sampled']:.3f} "
-        f"({cfg.eval_size} questions x {cfg.eval_samples}); " if cfg.eval_size else "")
-        + f"model: {out_dir / 'model'} (train.py --model {out_dir / 'model'})")
+    scores = f"held-out EM greedy {summary['eval/em']:.3f}; " if cfg.eval_size else ""
+    if "eval/em_sampled" in summary:
+        scores += f"sampled at T=1 {summary['eval/em_sampled']:.3f} ({cfg.eval_size} questions x {cfg.eval_samples}); "
+    print(f"held-out loss {summary['heldout_loss']:.3f}; {scores}model: {out_dir / 'model'} "
+          f"(train.py --model {out_dir / 'model'})")
     return summary
 
 

@@ -226,7 +226,8 @@ def build_lab() -> Path:
     model = random_model(len(tokenizer), tokenizer.eos_token_id)
     model.save_pretrained(tmp / "init")
     tokenizer.save_pretrained(tmp / "init")
-    losses = pretrain(model, tokenizer, [t for seed in PRETRAIN_WORLDS for t in tokenizer_texts(data.toy_world(seed), [])])
+    other_worlds = [t for seed in PRETRAIN_WORLDS for t in tokenizer_texts(data.toy_world(seed), [])]
+    losses = pretrain(model, tokenizer, other_worlds)
     model.eval().save_pretrained(tmp / "base")
     tokenizer.save_pretrained(tmp / "base")
     (tmp / "base" / "pretrain_loss.json").write_text(json.dumps(losses[::50] + losses[-1:]))

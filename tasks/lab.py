@@ -48,7 +48,7 @@ MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, 
                    intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=1024)
 MODEL_SEED = 0
 PRETRAIN_WORLDS = (1, 2, 3, 4)  # toy worlds of other seeds: the lab's templates, none of its names or facts
-PRETRAIN_STEPS = 1500          # language-model steps on the corpus before SFT (pretrain)
+PRETRAIN_STEPS = 2500          # language-model steps on the corpus before SFT (pretrain)
 
 _QUESTION_LINE = re.compile(r"Question: (.+?\?)\n")
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)

@@ -95,8 +95,8 @@ def check(model: Path, questions: int = 200) -> dict:
 
 def finished(docs_run: Path, steps: int = 300) -> bool:
     metrics = docs_run / "metrics.jsonl"
-    return metrics.exists() and any(json.loads(line).get("step") == steps and "reward" in json.loads(line)
-                                    for line in metrics.read_text().splitlines()[-3:])
+    last = [json.loads(line) for line in metrics.read_text().splitlines()[-3:]] if metrics.exists() else []
+    return any(line.get("step") == steps and "reward" in line for line in last)
 
 
 def train_run(model: Path, out_dir: Path, docs_dir: Path, name: str, seed: int, lr: float, updates: int,

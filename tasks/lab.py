@@ -33,6 +33,8 @@ import random
 import re
 from pathlib import Path
 
+from tasks.toy_world import parse_question, read_facts, write_jsonl
+
 LAB_VERSION = 1  # bump when anything below changes, so cached lab folders are rebuilt
 
 # How the scripted searcher errs: fixed before any RL run (docs/lab/prereg.md).
@@ -66,8 +68,6 @@ def _wrong_query(name: str, question: str, rng: random.Random) -> str:
 
 
 def _answer(name: str, relation: str, passages: list[str], rng: random.Random) -> str:
-    from tasks.toy_world import read_facts
-
     facts = read_facts(passages)
     right = facts.get(name, {}).get(relation)
     if right is not None and rng.random() < MIXTURE["answer_right"]:
@@ -86,8 +86,6 @@ def noisy_searcher(context: str, rng: random.Random) -> str | None:
     """The next turn of the scripted searcher, from the episode's text so far (plumbing/scripted.py
     calls it): a search of the asked name (or a MIXTURE mistake) first, then an answer read from
     the last observation. None before the question is complete (a shared prompt prefix)."""
-    from tasks.toy_world import parse_question
-
     questions = _QUESTION_LINE.findall(context)       # the few-shot prompt's examples come first
     parsed = parse_question(questions[-1]) if questions else None
     if parsed is None:
@@ -106,15 +104,8 @@ def noisy_searcher(context: str, rng: random.Random) -> str | None:
 
 def _half(question: str) -> str:
     """"sft" or "rl", by a hash of the entity the question asks about (the same on every machine)."""
-    from tasks.toy_world import parse_question
-
     name = parse_question(question)[0]
     return "sft" if hashlib.sha256(name.encode()).digest()[0] % 2 == 0 else "rl"
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=True) + "\n" for r in rows), encoding="utf-8")
 
 
 def write_question_sets(world_dir: Path, out_dir: Path) -> None:
@@ -124,8 +115,9 @@ def write_question_sets(world_dir: Path, out_dir: Path) -> None:
             for s in ("train", "test")}
     single = {s: [r for r in rs if r["data_source"] == "toy_nq"] for s, rs in rows.items()}
     for half in ("sft", "rl"):
-        _write_jsonl(out_dir / half / "train.jsonl", [r for r in single["train"] if _half(r["question"]) == half])
-        _write_jsonl(out_dir / half / "test.jsonl", single["test"])
+        (out_dir / half).mkdir(parents=True, exist_ok=True)
+        write_jsonl(out_dir / half / "train.jsonl", [r for r in single["train"] if _half(r["question"]) == half])
+        write_jsonl(out_dir / half / "test.jsonl", single["test"])
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):

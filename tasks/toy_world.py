@@ -393,7 +393,7 @@ def _questions(world: dict, split: str, wanted: dict, fact_pid: dict, rng: rando
     return records
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=True) + "\n")
@@ -419,14 +419,14 @@ def build_toy_world(seed: int, out_dir: Path, sizes: dict | None = None) -> dict
                 fact_pid[name, relation] = pid
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out_dir / "corpus.jsonl", corpus)
+    write_jsonl(out_dir / "corpus.jsonl", corpus)
     meta = {"version": TOY_VERSION, "seed": seed, "passages": len(corpus), "entities": {}, "questions": {}}
     for e in world.values():
         counts = meta["entities"].setdefault(e["type"], {"train": 0, "test": 0})
         counts[e["split"]] += 1
     for split, wanted in sizes["questions"].items():
         records = _questions(world, split, wanted, fact_pid, rng)
-        _write_jsonl(out_dir / f"{split}.jsonl", records)
+        write_jsonl(out_dir / f"{split}.jsonl", records)
         counts = collections.Counter(r["data_source"] for r in records)
         meta["questions"][split] = {source: counts[source] for source in wanted}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

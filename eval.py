@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 import data
 import rollout
-from plumbing.cli import add_config_flags, shared_fields
+from plumbing.cli import OneLineParser, add_config_flags, ranged, shared_fields
 from plumbing.fewshot import CHAT_DIRECT, CHAT_RAG, FEWSHOT_DIRECT, FEWSHOT_RAG   # the rag / direct prompts' text
 from plumbing.memory import release_memory
 from plumbing.models import load_policy
@@ -215,39 +215,37 @@ def setting_of(args, mode: str, cfg, n: int) -> dict:
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def parse_args(argv=None):
-    """eval.py's flags -> (args, cfg). Every RolloutConfig field is a flag (its comment the help),
-    with EVAL's value as default: the same mechanism as train.py's Config."""
-    p = argparse.ArgumentParser(description="Exact-match evaluation per data source (Search-R1 / LLDS tables). "
+def parser() -> OneLineParser:
+    """eval.py's flags. Every RolloutConfig field is a flag (its comment the help), with EVAL's
+    value as default: the same mechanism as train.py's Config."""
+    p = OneLineParser(description="Exact-match evaluation per data source (Search-R1 / LLDS tables). "
                                 "No arguments: the embedded SmolLM2 on the toy world's test split, search mode.")
-    p.add_argument("--model", help="HF model folder or name in the local cache, or a train.py checkpoint "
+    p.add_argument("--model", type=ranged("any", str), help="HF model folder or name in the local cache, or a train.py checkpoint "
                    "(run dir, ckpt-<step> dir or its model/); default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--data", nargs="+", default=["toy"],
+    p.add_argument("--data", nargs="+", default=["toy"], type=ranged("text", str),
                    help="'toy' (or one kind: toy_nq, toy_hotpot_bridge, toy_hotpot_comparison), FlashRAG "
                         ".jsonl files, Search-R1 .parquet files, or folders laid out <root>/<dataset>/<split>.jsonl")
-    p.add_argument("--split", default="test", help="split for 'toy' and dataset folders (test falls back to dev)")
-    p.add_argument("--limit", type=_positive, help="first N questions of every data source")
+    p.add_argument("--split", default="test", type=ranged("text", str), help="split for 'toy' and dataset folders (test falls back to dev)")
+    p.add_argument("--limit", type=ranged(">= 1"), help="first N questions of every data source")
     p.add_argument("--mode", nargs="+", default=["search"], choices=MODES,
                    help="search: the agent; rag: retrieve with the question, answer once; direct: no retrieval")
-    p.add_argument("--retriever", default="bm25", help="bm25 | dense | http://host:port/retrieve")
-    p.add_argument("--corpus", help="JSONL corpus for bm25/dense (default with --data toy: the toy corpus)")
-    p.add_argument("--index", help="index folder (loaded, or built and saved there)")
+    p.add_argument("--retriever", default="bm25", type=ranged("text", str), help="bm25 | dense | http://host:port/retrieve")
+    p.add_argument("--corpus", type=ranged("file", str), help="JSONL corpus for bm25/dense (default with --data toy: the toy corpus)")
+    p.add_argument("--index", type=ranged("any", str), help="index folder (loaded, or built and saved there; default: cached)")
     p.add_argument("--on-long-prompt", default="drop", choices=rollout.ON_LONG_PROMPT,
                    help="a prompt over --max-prompt-tokens: drop the question (reported) or stop with an error")
     p.add_argument("--sample", dest="greedy", action="store_false", default=argparse.SUPPRESS,
                    help="sample at --temperature and --top-p instead of greedy decoding (= --no-greedy)")
-    p.add_argument("--seed", type=int, default=0, help="torch seed (matters with --sample)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", help="output folder (default runs/eval/<date>)")
-    add_config_flags(p, rollout.RolloutConfig, defaults=EVAL, template={"choices": rollout.TEMPLATES},
-                     max_prompt_tokens={"type": _positive}, batch_size={"type": _positive})
-    args = vars(p.parse_args(argv))
+    p.add_argument("--seed", type=ranged("0..4294967295"), default=0, help="torch seed (matters with --sample)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--out", type=ranged("text", str), help="output folder (default runs/eval/<date>)")
+    add_config_flags(p, rollout.RolloutConfig, defaults=EVAL, choices={"template": rollout.TEMPLATES})
+    return p
+
+
+def parse_args(argv=None):
+    """eval.py's flags -> (args, cfg)."""
+    args = vars(parser().parse_args(argv))
     fields = shared_fields(rollout.RolloutConfig, args)
     return argparse.Namespace(**{k: v for k, v in args.items() if k not in fields}), dataclasses.replace(EVAL, **fields)
 
@@ -256,13 +254,15 @@ def main(argv=None) -> None:
     args, cfg = parse_args(argv)
     torch.manual_seed(args.seed)
     try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but torch sees no GPU; use --device cpu")
         records = data.load_question_sets(args.data, args.split, args.limit)
         if not records:
             raise ValueError(f"no questions found in {args.data}")
         retriever = None
         if set(args.mode) - {"direct"}:
             retriever = open_retriever(args.retriever, corpus=data.corpus_for(args.data, args.retriever, args.corpus),
-                                       index=args.index)
+                                       index=args.index or None)
         model, tokenizer = load_policy(resolve_model(args.model), dtype=torch.bfloat16 if args.device == "cuda" else None)
         model.to(args.device)
         # Checked at load, with the search prompt, so that every mode scores the same questions.

@@ -31,7 +31,6 @@ Simplified on purpose:
   any text (e5 and MiniLM still see [CLS] [SEP]).
 """
 
-import argparse
 import hashlib
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from tqdm import tqdm
 
 import plumbing
 from plumbing import server
+from plumbing.cli import OneLineParser, ranged
 from plumbing.corpus import corpus_fingerprint, load_corpus, read_index_meta, write_index_meta
 from plumbing.server import MAX_QUERY_CHARS, check_queries   # the query rules, the same as the server's
 
@@ -357,7 +357,7 @@ def _local_retriever(args):
 def _cmd_index(args):
     index = Path(args.index)
     if (index / "meta.json").is_file() and not args.force:
-        raise SystemExit(f"{index} already holds an index; pass --force to rebuild it")
+        raise SystemExit(f"error: --index {index} already holds an index; pass --force to rebuild it")
     t = time.perf_counter()
     docs = load_corpus(args.corpus)
     if args.backend == "bm25":
@@ -376,37 +376,41 @@ def _cmd_search(args):
         print(f"{rank:>3}. [{hit['score']:.3f}] id={hit['document']['id']}  {text[:150]}")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="BM25 / dense retrieval over a JSONL corpus, "
+def parser() -> OneLineParser:
+    p = OneLineParser(description="BM25 / dense retrieval over a JSONL corpus, "
                                 "with a Search-R1-compatible HTTP server.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def local_args(sp, index_required=False):
-        sp.add_argument("--corpus", required=True, help='JSONL, one {"id", "contents"} per line')
-        sp.add_argument("--index", required=index_required,
+        sp.add_argument("--corpus", required=True, type=ranged("file", str), help='JSONL, one {"id", "contents"} per line')
+        sp.add_argument("--index", required=index_required, type=ranged("text", str),
                         help="index directory (built there when absent; default: cached under $LLDS_CACHE)")
         sp.add_argument("--backend", choices=["bm25", "dense"], default="bm25", help="retrieval method")
-        sp.add_argument("--encoder", default=None,
+        sp.add_argument("--encoder", default=None, type=ranged("text", str),
                         help="dense only: local Hugging Face encoder folder (default: bundled MiniLM)")
 
     sp = sub.add_parser("index", help="build and save an index")
     local_args(sp, index_required=True)
-    sp.add_argument("--batch-size", type=int, default=64, help="dense only: passages per encoder batch")
+    sp.add_argument("--batch-size", type=ranged(">= 1"), default=64, help="dense only: passages per encoder batch")
     sp.add_argument("--force", action="store_true", help="rebuild even if the index exists")
     sp.set_defaults(fn=_cmd_index)
 
     sp = sub.add_parser("search", help="print the top hits for one query")
-    sp.add_argument("query")
-    sp.add_argument("--corpus", help="JSONL corpus (not needed with --url)")
-    sp.add_argument("--index", default=None, help="index directory (default: cached)")
+    sp.add_argument("query", type=ranged("any", str))
+    sp.add_argument("--corpus", type=ranged("file", str), help="JSONL corpus (not needed with --url)")
+    sp.add_argument("--index", default=None, type=ranged("text", str), help="index directory (default: cached)")
     sp.add_argument("--backend", choices=["bm25", "dense"], default="bm25", help="retrieval method")
-    sp.add_argument("--encoder", default=None, help="dense only: local encoder folder")
-    sp.add_argument("--url", default=None, help="ask this server instead, e.g. http://127.0.0.1:8000")
-    sp.add_argument("--topk", type=int, default=3, help="hits to print")
+    sp.add_argument("--encoder", default=None, type=ranged("text", str), help="dense only: local encoder folder")
+    sp.add_argument("--url", default=None, type=ranged("text", str), help="ask this server instead, e.g. http://127.0.0.1:8000")
+    sp.add_argument("--topk", type=ranged(">= 1"), default=3, help="hits to print")
     sp.set_defaults(fn=_cmd_search)
 
     server.add_serve_command(sub, local_args, _local_retriever)
+    return p
 
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.cmd == "search" and not args.url and not args.corpus:
         p.error("search needs --corpus (or --url of a running server)")

@@ -204,17 +204,17 @@ def drop_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig, on_lon
 
 @dataclass
 class RolloutConfig:
-    max_turns: int = 3            # search turns; one more answer-only turn follows (paper: 3 train, 4 eval)
-    topk: int = 3                 # passages per search
-    max_turn_tokens: int = 128    # sampled tokens per turn (paper: 500; the CPU demo's answers are short)
-    max_obs_tokens: int = 500     # observation cap, closing </information> kept
-    max_prompt_tokens: int = 2048  # longer prompts are an error in rollout(); drop_long_prompts leaves them out at load
-    max_context: int = 4096       # prompt + everything appended; an episode that would exceed it stops
-    temperature: float = 1.0      # sampling temperature (ignored when greedy)
-    top_p: float = 1.0            # nucleus sampling; 1.0 = off
+    max_turns: int = 3            # search turns; one more answer-only turn follows (paper: 3 train, 4 eval) [>= 0]
+    topk: int = 3                 # passages per search [>= 0]
+    max_turn_tokens: int = 128    # sampled tokens per turn (paper: 500; the CPU demo's answers are short) [>= 1]
+    max_obs_tokens: int = 500     # observation cap, closing </information> kept [>= 1]
+    max_prompt_tokens: int = 2048  # longer prompts are an error in rollout(); drop_long_prompts leaves them out at load [>= 1]
+    max_context: int = 4096       # prompt + everything appended; an episode that would exceed it stops [>= 2]
+    temperature: float = 1.0      # sampling temperature (ignored when greedy) [> 0]
+    top_p: float = 1.0            # nucleus sampling; 1.0 = off [> 0, <= 1]
     greedy: bool = False          # argmax decoding (evaluation)
-    template: str = "fewshot"     # "fewshot" (small models) or "search-r1" (the paper's prompt)
-    batch_size: int = 64          # episodes generated together; more records run in several batches
+    template: str = "fewshot"     # "fewshot" (small models) or "search-r1" (the paper's prompt) [choice]
+    batch_size: int = 64          # episodes generated together; more records run in several batches [>= 1]
     bf16: bool = True             # bf16 autocast for the forward passes where the CPU/GPU supports it
 
 

@@ -17,7 +17,6 @@ linear warm-up then cosine decay, a held-out loss on episodes of the test questi
 the sampled (T = 1) and greedy held-out EM of the warm-started model: the number the lab needs.
 Simplified: episodes are generated once, before training (a fixed data set), and padded per batch.
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -33,40 +32,41 @@ import retriever as retrieval
 import rollout
 from eval import heldout_eval
 from plumbing import fast_hf, runs
-from plumbing.cli import add_config_flags
+from plumbing.cli import OneLineParser, add_config_flags, check_ranges
 from plumbing.models import load_policy
 from plumbing.scripted import ScriptedPolicy
 from tasks.lab import noisy_searcher
 
 SCRIPTS = {"noisy": noisy_searcher}    # context text, rng -> the next model turn
+CHOICES = {"script": tuple(SCRIPTS), "template": rollout.TEMPLATES}   # the values of each [choice] field
 
 
 @dataclass
 class Config:
-    out: str = "runs/sft"              # output folder: metrics.jsonl, config.json, model/ (the HF folder)
-    seed: int = 0                      # seeds the script's draws, the shuffling and torch
-    model: str = ""                    # HF model folder to warm-start; "" = embedded SmolLM2-135M-Instruct
-    data: str = "toy_nq"               # questions as train.py's --data: its train split is trained on, its test split held out
-    corpus: str = ""                   # JSONL corpus of the in-process retriever; "" = the toy world's
-    retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL
-    script: str = "noisy"              # the scripted policy that writes the demonstrations (SCRIPTS)
-    questions: int = 0                 # training questions used (the first N); 0 = all
-    episodes_per_question: int = 8     # scripted episodes per training question (each a new draw of the script)
-    heldout_questions: int = 100       # test questions whose scripted episodes give the held-out loss
-    template: str = "search-r1"        # prompt: "search-r1" (the paper's) or "fewshot"
-    max_turns: int = 2                 # search turns per episode (one answer-only turn follows)
-    topk: int = 3                      # passages per search
-    max_turn_tokens: int = 32          # tokens per scripted turn (longer turns are cut, as in RL)
-    max_obs_tokens: int = 200          # tokens per observation
-    epochs: int = 2                    # passes over the training episodes
-    batch_size: int = 16               # episodes per optimizer step
-    lr: float = 1e-3                   # AdamW peak learning rate (1e-3 suits a ~1M model; 1e-5 a 135M one)
-    warmup_steps: int = 50             # linear warm-up, then cosine decay to a tenth of lr
-    weight_decay: float = 0.01         # AdamW weight decay
-    grad_clip: float = 1.0             # gradient-norm clip
-    eval_every: int = 100              # held-out loss every N optimizer steps (and at the end)
-    eval_size: int = 200               # held-out questions scored at the end (greedy and sampled EM); 0 = none
-    eval_samples: int = 4              # samples per held-out question for the sampled (T = 1) EM
+    out: str = "runs/sft"              # output folder: metrics.jsonl, config.json, model/ (the HF folder) [text]
+    seed: int = 0                      # seeds the script's draws, the shuffling and torch [0..4294967295]
+    model: str = ""                    # HF model folder to warm-start; "" = embedded SmolLM2-135M-Instruct [any]
+    data: str = "toy_nq"               # questions as train.py's --data: its train split is trained on, its test split held out [any]
+    corpus: str = ""                   # JSONL corpus of the in-process retriever; "" = the toy world's [file]
+    retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL [any]
+    script: str = "noisy"              # the scripted policy that writes the demonstrations (SCRIPTS) [choice]
+    questions: int = 0                 # training questions used (the first N); 0 = all [>= 0]
+    episodes_per_question: int = 8     # scripted episodes per training question (each a new draw of the script) [>= 1]
+    heldout_questions: int = 100       # test questions whose scripted episodes give the held-out loss [>= 1]
+    template: str = "search-r1"        # prompt: "search-r1" (the paper's) or "fewshot" [choice]
+    max_turns: int = 2                 # search turns per episode (one answer-only turn follows) [>= 0]
+    topk: int = 3                      # passages per search [>= 0]
+    max_turn_tokens: int = 32          # tokens per scripted turn (longer turns are cut, as in RL) [>= 1]
+    max_obs_tokens: int = 200          # tokens per observation [>= 1]
+    epochs: int = 2                    # passes over the training episodes [>= 1]
+    batch_size: int = 16               # episodes per optimizer step [>= 1]
+    lr: float = 1e-3                   # AdamW peak learning rate (1e-3 suits a ~1M model; 1e-5 a 135M one) [>= 0]
+    warmup_steps: int = 50             # linear warm-up, then cosine decay to a tenth of lr [>= 0]
+    weight_decay: float = 0.01         # AdamW weight decay [>= 0]
+    grad_clip: float = 1.0             # gradient-norm clip [> 0]
+    eval_every: int = 100              # held-out loss every N optimizer steps (and at the end) [>= 1]
+    eval_size: int = 200               # held-out questions scored at the end (greedy and sampled EM); 0 = none [>= 0]
+    eval_samples: int = 4              # samples per held-out question for the sampled (T = 1) EM [>= 0]
     bf16: bool = False                 # bf16 autocast where the CPU/GPU supports it
 
 
@@ -112,15 +112,25 @@ def heldout_loss(model, episodes: dict, cfg: Config, device) -> float:
     return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
 
 
+def parser() -> OneLineParser:
+    p = OneLineParser(description="Supervised warm-start on a scripted policy's episodes "
+                      "(next-token loss on model tokens only); writes <out>/model for train.py --model.")
+    add_config_flags(p, Config, choices=CHOICES)
+    return p
+
+
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description="Supervised warm-start on a scripted policy's episodes "
-                                     "(next-token loss on model tokens only); writes <out>/model for train.py --model.")
-    add_config_flags(parser, Config, script={"choices": sorted(SCRIPTS)})
-    return Config(**vars(parser.parse_args(argv)))
+    return Config(**vars(parser().parse_args(argv)))
 
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
+    with runs.user_errors_exit(Path(cfg.out)):       # one line "error: ..."
+        check_ranges(cfg, CHOICES)
+        return warm_start(cfg)
+
+
+def warm_start(cfg: Config) -> dict:
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

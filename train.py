@@ -52,58 +52,58 @@ from tasks.lab import lab_dir
 
 @dataclass
 class Config:
-    name: str = "demo"                 # run folder is <out_dir>/<name>
-    out_dir: str = "runs"              # parent folder of all runs
-    seed: int = 0                      # seeds python, numpy, torch and the prompt order
+    name: str = "demo"                 # run folder is <out_dir>/<name> [text]
+    out_dir: str = "runs"              # parent folder of all runs [text]
+    seed: int = 0                      # seeds python, numpy, torch and the prompt order [0..4294967295]
     resume: bool = False               # continue <out_dir>/<name> from its last checkpoint
-    model: str = ""                    # HF model folder or name; "" = embedded SmolLM2-135M-Instruct
-    data: str = "toy_nq"               # training questions: "toy", a toy kind (toy_nq = single-hop), a .jsonl/.parquet file or a dataset folder
-    eval_data: str = ""                # held-out questions; "" = the test split of --data
-    corpus: str = ""                   # JSONL corpus of an in-process retriever; "" = the toy world's
-    retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL http://host:port/retrieve
-    index: str = ""                    # retriever index folder (built there when absent); "" = cache
-    template: str = "fewshot"          # prompt: "fewshot" (small models) or "search-r1" (the paper's)
-    max_turns: int = 2                 # search turns per episode in training (one answer-only turn follows)
-    topk: int = 1                      # passages per search (paper: 3; 1 keeps the CPU demo within 15 min on AVX2)
-    max_turn_tokens: int = 32          # sampled tokens per turn (paper: 500)
-    max_obs_tokens: int = 200          # tokens per observation (paper: 500)
-    max_prompt_tokens: int = 2048      # longer prompts (few-shot template included) are dropped at load
-    on_long_prompt: str = "drop"       # a prompt over max-prompt-tokens: "drop" it at load (one line names it) or "error"
-    max_context: int = 4096            # prompt + turns + observations
-    temperature: float = 0.7           # sampling temperature of the rollouts (log-probs use the same; paper: 1.0)
-    top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off
-    steps: int = 4                     # training steps (one rollout batch each)
-    prompts_per_step: int = 8          # questions per step
-    group_size: int = 4                # rollouts per question (GRPO group, G)
-    mini_batch_size: int = 16          # trajectories per optimizer step; < prompts x G gives several updates per step
-    micro_batch_size: int = 4          # trajectories per forward/backward (gradient accumulation; 8 peaks near 8 GB on CPU)
-    lr: float = 2e-5                   # AdamW learning rate (paper: 1e-6 for 3B over 1005 steps)
-    warmup_ratio: float = 0.1          # linear warm-up over this fraction of the steps, then constant
-    weight_decay: float = 0.01         # AdamW weight decay
-    grad_clip: float = 1.0             # gradient-norm clip; a step with a non-finite norm is skipped
-    clip_eps: float = 0.2              # PPO ratio clip
-    kl_coef: float = 0.0               # k3 KL to the initial policy; 0 = no reference model is loaded
-    entropy_coef: float = 0.0          # entropy bonus coefficient
+    model: str = ""                    # HF model folder or name; "" = embedded SmolLM2-135M-Instruct [any]
+    data: str = "toy_nq"               # training questions: "toy", a toy kind (toy_nq = single-hop), a .jsonl/.parquet file or a dataset folder [any]
+    eval_data: str = ""                # held-out questions; "" = the test split of --data [any]
+    corpus: str = ""                   # JSONL corpus of an in-process retriever; "" = the toy world's [file]
+    retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL http://host:port/retrieve [any]
+    index: str = ""                    # retriever index folder (built there when absent); "" = cache [any]
+    template: str = "fewshot"          # prompt: "fewshot" (small models) or "search-r1" (the paper's) [choice]
+    max_turns: int = 2                 # search turns per episode in training (one answer-only turn follows) [>= 0]
+    topk: int = 1                      # passages per search (paper: 3; 1 keeps the CPU demo within 15 min on AVX2) [>= 0]
+    max_turn_tokens: int = 32          # sampled tokens per turn (paper: 500) [>= 1]
+    max_obs_tokens: int = 200          # tokens per observation (paper: 500) [>= 1]
+    max_prompt_tokens: int = 2048      # longer prompts (few-shot template included) are dropped at load [>= 1]
+    on_long_prompt: str = "drop"       # a prompt over max-prompt-tokens: "drop" it at load (one line names it) or "error" [choice]
+    max_context: int = 4096            # prompt + turns + observations [>= 2]
+    temperature: float = 0.7           # rollout sampling temperature, log-probs too (paper: 1.0); held-out EM is greedy [> 0]
+    top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off [> 0, <= 1]
+    steps: int = 4                     # training steps (one rollout batch each) [>= 1]
+    prompts_per_step: int = 8          # questions per step [>= 1]
+    group_size: int = 4                # rollouts per question (the GRPO group G, compared with each other) [>= 2]
+    mini_batch_size: int = 16          # trajectories per optimizer step; < prompts x G gives several updates per step [>= 1]
+    micro_batch_size: int = 4          # trajectories per forward/backward (gradient accumulation; 8 peaks near 8 GB on CPU) [>= 1]
+    lr: float = 2e-5                   # AdamW learning rate (paper: 1e-6 for 3B over 1005 steps) [>= 0]
+    warmup_ratio: float = 0.1          # linear warm-up over this fraction of the steps, then constant [0..1]
+    weight_decay: float = 0.01         # AdamW weight decay [>= 0]
+    grad_clip: float = 1.0             # gradient-norm clip; a step with a non-finite norm is skipped [> 0]
+    clip_eps: float = 0.2              # PPO ratio clip [> 0]
+    kl_coef: float = 0.0               # k3 KL to the initial policy; 0 = no reference model is loaded [>= 0]
+    entropy_coef: float = 0.0          # entropy bonus coefficient [>= 0]
     llds: bool = True                  # LLDS regulariser on; --no-llds = plain GRPO
-    llds_lambda: float = 0.2           # LLDS coefficient (0 = plain GRPO)
-    llds_gate: str = "action"          # LLDS gate: action, response or token
-    llds_reduction: str = "token-mean"  # LLDS normaliser: token-mean (authors' code) or seq-mean (paper eq. 4)
-    answer_weight: str = "1.0"         # LLDS-MA weight of the final answer span: a number, or "adaptive" = min(V/2, 1)
-    displacement_every: int = 1        # measure correct-response displacement every N steps (one extra forward); 0 = never
-    samples_per_step: int = 4          # trajectories saved as text per step in <run>/samples/
-    spiral_window: int = 5             # warn when correct-response log-lik falls this many steps in a row
-    spiral_grad_factor: float = 10.0   # warn when the grad norm exceeds this times its running median
-    eval_every: int = 0                # held-out evaluation every N steps; 0 = only before and after training
-    eval_size: int = 50                # held-out questions (fixed subset, greedy decoding); 0 = no evaluation
-    eval_samples: int = 0              # also sample each held-out question this many times at --temperature (eval/em_sampled)
-    eval_max_turns: int = 2            # search turns at evaluation (paper: 4)
-    ckpt_every: int = 5                # checkpoint every N steps (and always at the end); 0 = only at the end
-    keep_ckpts: int = 2                # checkpoints kept on disk (older ones are deleted)
-    rollout_batch_size: int = 64       # episodes generated together
-    device: str = "auto"               # auto (cuda if available), cuda or cpu
+    llds_lambda: float = 0.2           # LLDS coefficient (0 = plain GRPO) [>= 0]
+    llds_gate: str = "action"          # LLDS gate: action, response or token [choice]
+    llds_reduction: str = "token-mean"  # LLDS normaliser: token-mean (authors' code) or seq-mean (paper eq. 4) [choice]
+    answer_weight: str = "1.0"         # LLDS-MA weight of the final answer span: a number, or "adaptive" = min(V/2, 1) [any]
+    displacement_every: int = 1        # measure correct-response displacement every N steps (one extra forward); 0 = never [>= 0]
+    samples_per_step: int = 4          # trajectories saved as text per step in <run>/samples/ [>= 0]
+    spiral_window: int = 5             # warn when correct-response log-lik falls this many steps in a row [>= 1]
+    spiral_grad_factor: float = 10.0   # warn when the grad norm exceeds this times its running median [> 0]
+    eval_every: int = 0                # held-out evaluation every N steps; 0 = only before and after training [>= 0]
+    eval_size: int = 50                # held-out questions (fixed subset, greedy decoding); 0 = no evaluation [>= 0]
+    eval_samples: int = 0              # also sample each held-out question this many times at --temperature (eval/em_sampled) [>= 0]
+    eval_max_turns: int = 2            # search turns at evaluation (paper: 4) [>= 0]
+    ckpt_every: int = 5                # checkpoint every N steps (and always at the end); 0 = only at the end [>= 0]
+    keep_ckpts: int = 2                # checkpoints kept on disk (older ones are deleted) [>= 1]
+    rollout_batch_size: int = 64       # episodes generated together [>= 1]
+    device: str = "auto"               # auto (cuda if available), cuda or cpu [choice]
     bf16: bool = True                  # bf16 autocast (fp32 weights) where the device supports it
     grad_checkpointing: bool = False   # recompute activations in backward (GPU memory for long contexts)
-    report_to: str = "none"            # metrics.jsonl also goes to: none, tensorboard, wandb or tensorboard,wandb (TRL's report_to)
+    report_to: str = "none"            # metrics.jsonl also goes to: none, tensorboard, wandb or tensorboard,wandb (TRL's report_to) [any]
 
 
 # The paper's settings (Qwen2.5-3B, NQ+HotpotQA, E5 retriever server; section 4 of the LLDS paper).
@@ -124,8 +124,9 @@ PRESETS["lab"] = dict(
     grad_clip=1.0, llds_lambda=0.2, llds_gate="action", llds_reduction="token-mean", eval_every=50,
     eval_size=100, eval_samples=4, eval_max_turns=2, ckpt_every=25, keep_ckpts=1, samples_per_step=2, bf16=False)
 
-# The values a string field may take; check_config refuses any other before a model is loaded.
-CHOICES = {"on_long_prompt": rollout.ON_LONG_PROMPT, "llds_gate": GATES, "llds_reduction": REDUCTIONS}
+# The values of each [choice] field; check_config refuses any other before a model is loaded.
+CHOICES = {"template": rollout.TEMPLATES, "on_long_prompt": rollout.ON_LONG_PROMPT, "llds_gate": GATES,
+           "llds_reduction": REDUCTIONS, "device": ("auto", "cuda", "cpu")}
 
 
 def rollout_config(cfg: Config, **overrides) -> rollout.RolloutConfig:
@@ -484,7 +485,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
 
 
 def main(argv=None) -> None:
-    cfg, plot, plot_out = parse_train_args(Config, PRESETS, argv)
+    cfg, plot, plot_out = parse_train_args(Config, PRESETS, CHOICES, argv)
     if plot:
         print(plot_runs(plot, plot_out))
         return

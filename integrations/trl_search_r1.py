@@ -26,7 +26,6 @@ How it differs from train.py, this project's own Search-R1 loop:
   the 2-core CPU shared with two training runs (bench/bench_vs_trl.py measured TRL's step at 6x
   train.py's on a few-shot prompt); pass --threads 1 when other jobs share the cores.
 """
-import argparse
 import json
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import data  # noqa: E402
 import retriever as retrieval  # noqa: E402
 import rollout as ro  # noqa: E402
 from integrations.trl_llds import LLDSGRPOTrainer  # noqa: E402
+from llds import GATES  # noqa: E402
 from plumbing import cli, fast_hf, models  # noqa: E402
 from plumbing.fewshot import FEWSHOT_EXAMPLES  # noqa: E402
 
@@ -57,28 +57,28 @@ SHOWN = ("reward", "tools/call_frequency", "llds/loss", "llds/active_token_frac"
 
 @dataclass
 class Config:
-    name: str = "trl-search-r1"        # run name: the output goes to <out-dir>/<name>
-    out_dir: str = "runs"              # parent folder of the run's output ("" = a temporary folder)
-    model: str = ""                    # HF model folder; "" = embedded SmolLM2-135M-Instruct
-    data: str = "toy_nq"               # training questions (see data.load_questions)
-    corpus: str = ""                   # JSONL corpus for BM25; "" = the toy world's
-    topk: int = 3                      # passages per search
-    steps: int = 2                     # optimiser steps
-    questions: int = 4                 # questions per generation batch
-    group_size: int = 4                # completions per question (GRPO group)
-    updates_per_generation: int = 2    # optimiser steps per generation batch (LLDS needs >= 2)
-    micro_batch_size: int = 2          # completions per forward/backward
-    max_completion_tokens: int = 256   # model and tool tokens per completion (3 passages are ~150)
-    max_tool_calls: int = 2            # tool-calling turns per completion
-    temperature: float = 0.7           # sampling temperature
-    format_score: float = 0.1          # reward of a well-formed wrong <answer> (Search-R1's qa_em knob; 0 = EM only)
-    lr: float = 2e-5                   # AdamW learning rate
-    llds_lambda: float = 0.2           # LLDS coefficient (0 = plain GRPO)
-    llds_gate: str = "action"          # LLDS gate: action, response or token
-    answer_weight: str = "1.0"         # LLDS-MA weight of the final answer: a number, or "adaptive" = min(V/2, 1)
-    report_to: str = "none"            # TRL logging backends (tensorboard, wandb, ...): llds/* go there too
-    seed: int = 0                      # sampling and shuffling seed
-    threads: int = 0                   # torch CPU threads; 0 = torch's default (1 when other jobs share the cores)
+    name: str = "trl-search-r1"        # run name: the output goes to <out-dir>/<name> [text]
+    out_dir: str = "runs"              # parent folder of the run's output ("" = a temporary folder) [any]
+    model: str = ""                    # HF model folder; "" = embedded SmolLM2-135M-Instruct [any]
+    data: str = "toy_nq"               # training questions (see data.load_questions) [any]
+    corpus: str = ""                   # JSONL corpus for BM25; "" = the toy world's [file]
+    topk: int = 3                      # passages per search [>= 0]
+    steps: int = 2                     # optimiser steps [>= 1]
+    questions: int = 4                 # questions per generation batch [>= 1]
+    group_size: int = 4                # completions per question (GRPO group) [>= 2]
+    updates_per_generation: int = 2    # optimiser steps per generation batch (LLDS needs >= 2) [>= 2]
+    micro_batch_size: int = 2          # completions per forward/backward [>= 1]
+    max_completion_tokens: int = 256   # model and tool tokens per completion (3 passages are ~150) [>= 1]
+    max_tool_calls: int = 2            # tool-calling turns per completion [>= 0]
+    temperature: float = 0.7           # sampling temperature [> 0]
+    format_score: float = 0.1          # reward of a well-formed wrong <answer> (Search-R1's qa_em knob; 0 = EM only) [0..1]
+    lr: float = 2e-5                   # AdamW learning rate [>= 0]
+    llds_lambda: float = 0.2           # LLDS coefficient (0 = plain GRPO) [>= 0]
+    llds_gate: str = "action"          # LLDS gate: action, response or token [choice]
+    answer_weight: str = "1.0"         # LLDS-MA weight of the final answer: a number, or "adaptive" = min(V/2, 1) [any]
+    report_to: str = "none"            # TRL logging backends (tensorboard, wandb, ...): llds/* go there too [any]
+    seed: int = 0                      # sampling and shuffling seed [0..4294967295]
+    threads: int = 0                   # torch CPU threads; 0 = torch's default (1 when other jobs share the cores) [>= 0]
 
 
 def search_tool(corpus: str, topk: int):
@@ -173,8 +173,8 @@ def build_trainer(cfg: Config, model, tokenizer, out: Path) -> LLDSGRPOTrainer:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    cli.add_config_flags(parser, Config)
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
+    cli.add_config_flags(parser, Config, choices={"llds_gate": GATES})
     cfg = Config(**vars(parser.parse_args(argv)))
     if cfg.questions * cfg.group_size % (cfg.updates_per_generation * cfg.micro_batch_size):
         raise SystemExit("questions x group-size must be a multiple of updates-per-generation x micro-batch-size")

@@ -1,16 +1,24 @@
 """A configuration dataclass -> argparse flags: every field becomes `--field-name` (booleans get
 `--no-` too), and the comment after the field in the source is its --help text (train.py's
-Config, eval.py's RolloutConfig); and the checks of train.py's settings that end in one clear
-error."""
+Config, eval.py's RolloutConfig, sft.py's Config). The comment ends in the field's declared range,
+in brackets, which `check_ranges` enforces and --help shows:
+
+    [>= 1]  [> 0, <= 1]  [0..4294967295]   numbers (floats also finite)
+    [choice]   one of the values the script lists for it (its CHOICES)
+    [text]     a non-empty string        [file]  "" or an existing file
+    [any]      anything the type takes; checked where it is used (a model name, a URL, ...)
+
+Also the checks of train.py's settings that end in one clear error, and an argparse parser whose
+errors are one line."""
 import argparse
 import dataclasses
 import inspect
+import math
+import operator
+import os
 import re
+import sys
 import typing
-
-import torch
-
-from plumbing.report import check_report_to
 
 
 def field_help(config_class) -> dict[str, str]:
@@ -18,19 +26,93 @@ def field_help(config_class) -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(config_class), re.M))
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config_class, defaults=None, **extra) -> None:
-    """One flag per field of `config_class`; unset flags stay out of the parsed namespace, so
-    a preset (or `defaults`, an instance of the class whose values the help shows) fills them
-    and explicit flags override it. extra: {field: more add_argument keywords (choices, type)}."""
-    helps = field_help(config_class)
+RANGE = re.compile(r"\[([^\[\]]+)\]\s*$")       # the [...] that ends a field's comment
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def field_ranges(config_class) -> dict[str, str]:
+    """{field: its declared range} for every field whose comment ends in one, e.g. "[>= 1]" -> ">= 1"."""
+    return {name: m.group(1).strip() for name, text in field_help(config_class).items() if (m := RANGE.search(text))}
+
+
+def _accepts(spec: str, choices) -> str:
+    """What a declared range accepts, in words for an error line."""
+    if spec == "choice":
+        return "one of " + ", ".join(map(str, choices))
+    return {"text": "a non-empty string", "file": "an existing file (or empty)"}.get(spec, spec.replace("..", " to "))
+
+
+def in_range(value, spec: str, choices=()) -> bool:
+    """Whether `value` lies in the declared range `spec` (the module docstring lists the forms)."""
+    if spec in ("any",) or isinstance(value, bool):
+        return True
+    if spec == "choice":
+        return value in choices
+    if spec == "text":
+        return bool(str(value).strip())
+    if spec == "file":
+        return value == "" or os.path.isfile(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if ".." in spec:
+        low, high = (float(x) for x in spec.split(".."))
+        return low <= value <= high
+    return all(_COMPARE[op](value, float(bound)) for op, bound in (c.split() for c in spec.split(",")))
+
+
+def check_ranges(cfg, choices: dict | None = None) -> None:
+    """Every field of the dataclass `cfg` inside its declared range, else ValueError naming the flag
+    and what it accepts. A non-boolean field without a declared range is a programming error."""
+    choices, ranges = choices or {}, field_ranges(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            continue
+        if f.name not in ranges:
+            raise TypeError(f"{type(cfg).__name__}.{f.name} declares no range: end its comment with [...]")
+        if not in_range(value, ranges[f.name], choices.get(f.name, ())):
+            raise ValueError(f"{flag} must be {_accepts(ranges[f.name], choices.get(f.name, ()))}, not {value!r}")
+
+
+def ranged(spec: str, kind=int, choices=()):
+    """An argparse type: the text parsed as `kind`, then held to the declared range `spec`; an error
+    names the flag and what it accepts. `.range` keeps the spec (tests/test_flags.py reads it)."""
+    def parse(text):
+        value = kind(text)              # ValueError: argparse's own "invalid int value: 'x'"
+        if not in_range(value, spec, choices):
+            raise argparse.ArgumentTypeError(f"must be {_accepts(spec, choices)}, not {text!r}")
+        return value
+    parse.__name__, parse.range = kind.__name__, spec
+    return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, "error: argument --steps: invalid int value: 'x'", exit 2
+    (--help still prints the usage)."""
+
+    def error(self, message):
+        sys.stderr.write(f"error: {message}\n")
+        raise SystemExit(2)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_class, defaults=None, choices=None) -> None:
+    """One flag per field of `config_class`, held to the field's declared range; unset flags stay
+    out of the parsed namespace, so a preset (or `defaults`, an instance of the class whose values
+    the help shows) fills them and explicit flags override it. choices: {field: its values}."""
+    helps, ranges, choices = field_help(config_class), field_ranges(config_class), choices or {}
     types = typing.get_type_hints(config_class)       # real types, also under `from __future__ import annotations`
     for f in dataclasses.fields(config_class):
         flag, kind = "--" + f.name.replace("_", "-"), types[f.name]
         default = f.default if defaults is None else getattr(defaults, f.name)
         text = f"{helps.get(f.name, '')} (default: {default})"
-        options = ({"action": argparse.BooleanOptionalAction} if kind is bool
-                   else {"type": kind, "metavar": kind.__name__.upper()})
-        parser.add_argument(flag, default=argparse.SUPPRESS, help=text, **{**options, **extra.get(f.name, {})})
+        if kind is bool:
+            parser.add_argument(flag, default=argparse.SUPPRESS, help=text, action=argparse.BooleanOptionalAction)
+            continue
+        if f.name not in ranges:
+            raise TypeError(f"{config_class.__name__}.{f.name} declares no range: end its comment with [...]")
+        metavar = "{" + ",".join(choices[f.name]) + "}" if f.name in choices else kind.__name__.upper()
+        parser.add_argument(flag, default=argparse.SUPPRESS, help=text, metavar=metavar,
+                            type=ranged(ranges[f.name], kind, choices.get(f.name, ())))
 
 
 def shared_fields(config_class, values: dict) -> dict:
@@ -39,46 +121,54 @@ def shared_fields(config_class, values: dict) -> dict:
     return {k: v for k, v in values.items() if k in names}
 
 
-def parse_train_args(config_class, presets: dict, argv=None):
-    """train.py's flags -> (config, run folders to plot or None, plot output path or None).
-    Explicit flags override the preset."""
-    parser = argparse.ArgumentParser(
+def train_parser(config_class, presets: dict, choices: dict) -> argparse.ArgumentParser:
+    """train.py's flags: one per Config field, and --preset, --plot, --plot-out."""
+    parser = OneLineParser(
         description="GRPO + LLDS training of a Search-R1 agent. Defaults: the CPU demo "
                     "(SmolLM2-135M, toy world, BM25). --preset paper: the paper's settings.")
     parser.add_argument("--preset", choices=sorted(presets), help="start from a named preset")
-    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR",
+    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", type=ranged("text", str),
                         help="draw the curves of one run (RUN_DIR/curves.png) or of several overlaid, and exit")
-    parser.add_argument("--plot-out", metavar="PNG",
+    parser.add_argument("--plot-out", metavar="PNG", type=ranged("text", str),
                         help="where --plot draws several runs (default: compare.png beside the first)")
-    add_config_flags(parser, config_class)
-    args = vars(parser.parse_args(argv))
+    add_config_flags(parser, config_class, choices=choices)
+    return parser
+
+
+def parse_train_args(config_class, presets: dict, choices: dict, argv=None):
+    """train.py's flags -> (config, run folders to plot or None, plot output path or None).
+    Explicit flags override the preset."""
+    args = vars(train_parser(config_class, presets, choices).parse_args(argv))
     preset, plot, plot_out = args.pop("preset", None), args.pop("plot", None), args.pop("plot_out", None)
     return config_class(**{**presets.get(preset, {}), **args}), plot, plot_out
+
+
+NOTES = {"max_turns": "answer-only episodes in training, no search", "eval_max_turns": "answer-only held-out episodes",
+         "topk": "every search returns no passages", "lr": "the policy never changes"}
 
 
 def check_config(cfg, choices: dict[str, tuple[str, ...]]) -> None:
     """Catch inconsistent train.py settings before any model is loaded (ValueError with what to change).
     choices: {field: its allowed values}, given by the script that defines them."""
+    check_ranges(cfg, choices)
+    for name, note in NOTES.items():        # legal values that surprise: one line each at start
+        if getattr(cfg, name) == 0:
+            print(f"--{name.replace('_', '-')} 0: {note}")
     batch = cfg.prompts_per_step * cfg.group_size
-    if min(cfg.steps, cfg.prompts_per_step, cfg.group_size, cfg.mini_batch_size, cfg.micro_batch_size) < 1:
-        raise ValueError("steps, prompts-per-step, group-size, mini-batch-size and micro-batch-size must be >= 1")
-    if cfg.group_size < 2:
-        raise ValueError("group-size must be >= 2: GRPO compares the rollouts of one question")
     if batch % cfg.mini_batch_size:
         raise ValueError(f"mini-batch-size {cfg.mini_batch_size} must divide prompts-per-step x group-size = {batch}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max-prompt-tokens {cfg.max_prompt_tokens} must be below max-context {cfg.max_context}")
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                             f"not {getattr(cfg, name)!r}")
-    if cfg.answer_weight != "adaptive":
-        try:
-            float(cfg.answer_weight)
-        except ValueError:
-            raise ValueError(f"answer-weight must be a number or 'adaptive', not {cfg.answer_weight!r}") from None
+    try:
+        weight = math.inf if cfg.answer_weight == "adaptive" else float(cfg.answer_weight)
+    except ValueError:
+        weight = math.nan
+    if not weight >= 0 or (math.isinf(weight) and cfg.answer_weight != "adaptive"):
+        raise ValueError(f"--answer-weight must be a finite number >= 0 or 'adaptive', not {cfg.answer_weight!r}")
+    import torch
+
+    from plumbing.report import check_report_to
+
     check_report_to(cfg.report_to)
-    if cfg.device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device must be auto, cuda or cpu, not {cfg.device!r}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch sees no GPU; use --device cpu")

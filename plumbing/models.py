@@ -67,12 +67,15 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     # through the run's progress bars and say nothing about the run.
     logging.disable_progress_bar()
     path = embedded_smollm2() if name_or_path is None else name_or_path
+    local = Path(path).expanduser()
+    if (str(path).startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+        raise SystemExit(f"error: --model {path}: not a model folder (one holds config.json, tokenizer and weights)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
                                                      local_files_only=True)
-    except OSError as e:
-        raise SystemExit(f"cannot load model {name_or_path!r} from local files ({str(e).splitlines()[0]}). "
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --model: cannot load {name_or_path!r} from local files ({str(e).splitlines()[0]}). "
                          "Pass a folder with config.json, tokenizer and weights, or download it first "
                          f"on a machine with internet: `hf download {name_or_path}`.") from None
     tokenizer.padding_side = "left"

@@ -11,6 +11,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from plumbing.cli import ranged
+
 # Limits: generous for a rollout batch, small enough that one request can't hog the box.
 MAX_QUERY_CHARS = 2000  # the longest query: the server answers longer ones with a 400, rollout.py cuts to it
 MAX_QUERIES = 4096  # default --max-queries; Search-R1 posts a whole turn: 512 prompts x 5 = 2,560
@@ -225,11 +227,11 @@ def add_serve_command(subparsers, local_args, open_local) -> None:
                     'Search-R1 trainer sends: an empty queries list, empty queries, a whole turn in '
                     'one POST; topk missing, null or 0 means --topk. Bad input gets a JSON 4xx.')
     local_args(sp)
-    sp.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it to the network)")
-    sp.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    sp.add_argument("--topk", type=int, default=DEFAULT_TOPK,
+    sp.add_argument("--host", default="127.0.0.1", type=ranged("text", str), help="bind address (0.0.0.0 exposes it to the network)")
+    sp.add_argument("--port", type=ranged("0..65535"), default=8000, help="port (0 picks a free one)")
+    sp.add_argument("--topk", type=ranged(f"1..{MAX_TOPK}"), default=DEFAULT_TOPK,
                     help=f"hits per query when a request sends no topk, null or 0 (1..{MAX_TOPK})")
-    sp.add_argument("--max-queries", type=int, default=MAX_QUERIES,
+    sp.add_argument("--max-queries", type=ranged(">= 1"), default=MAX_QUERIES,
                     help=f"most queries in one request (Search-R1 sends 512 prompts x 5 = 2,560); "
                          f"also sets the body limit ({max_body_bytes(MAX_QUERIES) / 2**20:.0f} MiB at "
                          f"{MAX_QUERIES})")

@@ -282,4 +282,4 @@ def test_flags_are_rollout_config_fields_with_evals_defaults(capsys):
     for bad in (["--batch-size", "0"], ["--template", "chat"]):
         with pytest.raises(SystemExit):
             ev.parse_args(bad)
-    assert "expected a positive integer" in capsys.readouterr().err
+    assert "--batch-size: must be >= 1" in capsys.readouterr().err

@@ -555,7 +555,7 @@ def test_cli_serve_starts_a_real_server(tmp_path):
     path = write_corpus(tmp_path / "corpus.jsonl")
     env = {**os.environ, "LLDS_CACHE": str(tmp_path)}
     r = run_cli("serve", "--corpus", str(path), "--topk", "0", cache=tmp_path)
-    assert r.returncode == 1 and "--topk must be between 1 and 100" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stderr == "error: argument --topk: must be 1 to 100, not '0'\n"
     proc = subprocess.Popen([sys.executable, str(REPO / "retriever.py"), "serve", "--corpus", str(path),
                              "--port", "0", "--topk", "1", "--max-queries", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

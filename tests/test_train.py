@@ -302,8 +302,8 @@ def test_an_over_long_question_is_dropped_at_load_and_the_run_trains_through(tmp
         train.setup(dataclasses.replace(cfg, name="empty", data=question_file(tmp_path, [], "empty.jsonl")), *tiny_policy())
     with pytest.raises(ValueError, match="no training questions left: every prompt is over max_prompt_tokens=1000"):
         train.setup(dataclasses.replace(cfg, name="none_fit", max_prompt_tokens=1000), *tiny_policy())
-    with pytest.raises(SystemExit, match="on-long-prompt must be one of drop, error, not 'skip'"):
-        train.main(["--on-long-prompt", "skip"])
+    with pytest.raises(ValueError, match="--on-long-prompt must be one of drop, error, not 'skip'"):
+        train.setup(dataclasses.replace(cfg, on_long_prompt="skip"))
 
 
 def test_a_run_killed_at_any_step_resumes_and_finishes(tmp_path, alternating_rewards, monkeypatch):
@@ -423,11 +423,11 @@ def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
 
 
 def test_flags_presets_and_errors(tmp_path):
-    cfg, plot, _ = cli.parse_train_args(train.Config, train.PRESETS, ["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
+    cfg, plot, _ = cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, ["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
     assert (cfg.lr, cfg.llds, cfg.prompts_per_step, cfg.mini_batch_size, cfg.kl_coef) == (3e-6, False, 512, 256, 0.001)
     assert cfg.answer_weight == "adaptive" and plot is None
-    assert cli.parse_train_args(train.Config, train.PRESETS, []) == (train.Config(), None, None)
-    assert cli.parse_train_args(train.Config, train.PRESETS, ["--plot", "a", "b", "--plot-out", "c.png"])[1:] == (["a", "b"], "c.png")
+    assert cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, []) == (train.Config(), None, None)
+    assert cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, ["--plot", "a", "b", "--plot-out", "c.png"])[1:] == (["a", "b"], "c.png")
     helps = cli.field_help(train.Config)
     assert set(helps) == {f.name for f in dataclasses.fields(train.Config)}
     with pytest.raises(ValueError, match="mini-batch-size 5 must divide"):

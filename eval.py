@@ -20,7 +20,9 @@ Used two ways: `python eval.py ...` prints the table and writes `results.json` +
 flags are RolloutConfig's fields (defaults: EVAL), made by the same code as train.py's. A question
 whose prompt is over `max_prompt_tokens` is left out (at load, or after retrieval for a rag prompt)
 and listed under "dropped" in the results, never scored silently. Simplified: scores are EM and
-token F1 on the last `<answer>` only (as the reward); no LLM judge, no per-question-type breakdown.
+token F1 on the last `<answer>` (as the reward), and cover-EM (a gold inside the answer, for papers
+that report it); no LLM judge. `--samples k`: avg@k, pass@k with bootstrap intervals (plumbing/
+scores.py). The toy world's sources are its question kinds (single-hop toy_nq, multi-hop toy_hotpot_*).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ import rollout
 from plumbing.cli import OneLineParser, add_config_flags, ranged, shared_fields
 from plumbing.fewshot import CHAT_DIRECT, CHAT_RAG, FEWSHOT_DIRECT, FEWSHOT_RAG   # the rag / direct prompts' text
 from plumbing.memory import release_memory
+from plumbing.scores import cover_em, format_sampled, sampled_scores
+from plumbing.search_health import answer_in_passages
 from plumbing.models import load_policy
 from plumbing.reports import format_header, format_table, write_outputs
 from plumbing.runs import resolve_model   # a train.py run, checkpoint or model folder -> the model folder
@@ -79,13 +83,13 @@ def scores_by_source(per_example: list[dict]) -> dict:
     for ex in per_example:
         by_source[ex["data_source"]].append(ex)
     sources = {src: {"n": len(exs), "em": _mean(e["em"] for e in exs), "f1": _mean(e["f1"] for e in exs),
-                     "searches": _mean(e["n_search"] for e in exs)}
+                     "searches": _mean(e["n_search"] for e in exs), "cover_em": _mean(e["cover_em"] for e in exs)}
                for src, exs in sorted(by_source.items())}
     out = {"sources": sources}
     for group in ("general", "multihop", "all"):
         rows = [row for src, row in sources.items() if group == "all" or source_group(src) == group]
         out[group] = {"n": sum(r["n"] for r in rows),
-                      **{k: _mean(r[k] for r in rows) for k in ("em", "f1", "searches")}}
+                      **{k: _mean(r[k] for r in rows) for k in ("em", "f1", "searches", "cover_em")}}
     return out
 
 
@@ -176,11 +180,13 @@ def heldout_eval(model, tokenizer, records, retriever, rollout_cfg, samples: int
     metrics = {"eval/em": scores["all"]["em"], "eval/f1": scores["all"]["f1"],
                "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
                "eval/correct": [int(e["em"]) for e in scores["examples"]],   # per question, in order
-               "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"]}
+               "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"],
+               "eval/answer_in_passages": answer_in_passages(scores["examples"])}
     if samples:
         sampled = evaluate(model, tokenizer, [r for r in records for _ in range(samples)], retriever, "search",
                            dataclasses.replace(rollout_cfg, greedy=False), progress=True)
-        metrics.update({"eval/em_sampled": sampled["all"]["em"], "timing/eval": scores["seconds"] + sampled["seconds"]})
+        metrics.update({"eval/em_sampled": sampled["all"]["em"], "timing/eval": scores["seconds"] + sampled["seconds"],
+                        f"eval/pass@{samples}": sampled_scores(sampled["examples"], samples, resamples=0)["all"]["pass@k"]})
     torch.set_rng_state(rng)
     release_memory()
     return metrics
@@ -190,7 +196,8 @@ def _example(record: dict, episode: dict, mode: str) -> dict:
     """One line of predictions.jsonl. n_search counts retriever calls (rag: always 1)."""
     out = {"id": record["id"], "data_source": record["data_source"], "question": record["question"],
            "golds": episode["golds"], "prediction": episode["answer"], "em": episode["em"],
-           "f1": episode["f1"], "n_search": 1 if mode == "rag" else episode["n_search"],
+           "f1": episode["f1"], "cover_em": cover_em(episode["answer"], episode["golds"]),
+           "n_search": 1 if mode == "rag" else episode["n_search"],
            "finished": episode["finished"], "text": episode["text"]}
     if "retrieved" in record:
         out["retrieved"] = record["retrieved"]
@@ -236,7 +243,9 @@ def parser() -> OneLineParser:
                    help="a prompt over --max-prompt-tokens: drop the question (reported) or stop with an error")
     p.add_argument("--sample", dest="greedy", action="store_false", default=argparse.SUPPRESS,
                    help="sample at --temperature and --top-p instead of greedy decoding (= --no-greedy)")
-    p.add_argument("--seed", type=ranged("0..4294967295"), default=0, help="torch seed (matters with --sample)")
+    p.add_argument("--seed", type=ranged("0..4294967295"), default=0, help="torch seed (matters with --sample, --samples)")
+    p.add_argument("--samples", type=ranged(">= 0"), default=0, help="also sample each question K times at "
+                   "--temperature: avg@K and pass@K with bootstrap 95%% intervals (search mode)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=ranged("text", str), help="output folder (default runs/eval/<date>)")
     add_config_flags(p, rollout.RolloutConfig, defaults=EVAL, choices={"template": rollout.TEMPLATES})
@@ -274,6 +283,11 @@ def main(argv=None) -> None:
             setting = setting_of(args, mode, mode_config(cfg, mode), len(records))
             print(f"\n{format_header(setting)}\n\n{format_table(result)}")
             print(f"{result['questions_per_min']:.1f} questions/min ({result['seconds']:.0f} s)")
+            if args.samples and mode == "search":
+                sampled = evaluate(model, tokenizer, [r for r in records for _ in range(args.samples)], retriever, mode,
+                                   dataclasses.replace(cfg, greedy=False), progress=True)
+                result["sampled"] = sampled_scores(sampled["examples"], args.samples)
+                print(f"\n{args.samples} samples per question at T={cfg.temperature}:\n{format_sampled(result['sampled'])}")
             runs[mode] = (setting, result)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

@@ -39,12 +39,13 @@ import retriever as retrieval
 import rollout
 from eval import heldout_eval
 from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
-from plumbing import fast_hf, report, runs
+from plumbing import dynamic_sampling, fast_hf, report, runs, token_view
 from plumbing.cli import check_config, parse_train_args, shared_fields
 from plumbing.models import load_policy, place_for_training, reference_copy
 from plumbing.memory import peak_memory_gb
 from plumbing.plots import plot_runs
-from plumbing.runs import micro_batch, shared_first_search
+from plumbing.runs import micro_batch, shuffle_into_minibatches
+from plumbing.search_health import search_health
 from tasks.lab import lab_dir
 
 # ---- Configuration -------------------------------------------------------------------------
@@ -75,6 +76,7 @@ class Config:
     steps: int = 4                     # training steps (one rollout batch each) [>= 1]
     prompts_per_step: int = 8          # questions per step [>= 1]
     group_size: int = 4                # rollouts per question (the GRPO group G, compared with each other) [>= 2]
+    drop_tied_groups: int = 0          # redraw the prompts of groups whose rewards all tie, up to N extra rollout rounds a step (DAPO); 0 = off [>= 0]
     mini_batch_size: int = 16          # trajectories per optimizer step; < prompts x G gives several updates per step [>= 1]
     micro_batch_size: int = 4          # trajectories per forward/backward (gradient accumulation; 8 peaks near 8 GB on CPU) [>= 1]
     lr: float = 2e-5                   # AdamW learning rate (paper: 1e-6 for 3B over 1005 steps) [>= 0]
@@ -90,6 +92,7 @@ class Config:
     llds_reduction: str = "token-mean"  # LLDS normaliser: token-mean (authors' code) or seq-mean (paper eq. 4) [choice]
     answer_weight: str = "1.0"         # LLDS-MA weight of the final answer span: a number, or "adaptive" = min(V/2, 1) [any]
     displacement_every: int = 1        # measure correct-response displacement every N steps (one extra forward); 0 = never [>= 0]
+    token_view_every: int = 10         # write <run>/views/step_N.html and .jsonl (each token's change) every N steps; 0 = never [>= 0]
     samples_per_step: int = 4          # trajectories saved as text per step in <run>/samples/ [>= 0]
     spiral_window: int = 5             # warn when correct-response log-lik falls this many steps in a row [>= 1]
     spiral_grad_factor: float = 10.0   # warn when the grad norm exceeds this times its running median [> 0]
@@ -122,7 +125,8 @@ PRESETS["lab"] = dict(
     topk=3, max_turn_tokens=24, max_obs_tokens=200, temperature=1.0, steps=300, prompts_per_step=8,
     group_size=5, micro_batch_size=10, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001,
     grad_clip=1.0, llds_lambda=0.2, llds_gate="action", llds_reduction="token-mean", eval_every=50,
-    eval_size=100, eval_samples=4, eval_max_turns=2, ckpt_every=25, keep_ckpts=1, samples_per_step=2, bf16=False)
+    eval_size=100, eval_samples=4, eval_max_turns=2, ckpt_every=25, keep_ckpts=1, samples_per_step=2, bf16=False,
+    token_view_every=50)
 
 # The values of each [choice] field; check_config refuses any other before a model is loaded.
 CHOICES = {"template": rollout.TEMPLATES, "on_long_prompt": rollout.ON_LONG_PROMPT, "llds_gate": GATES,
@@ -240,14 +244,6 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0,
     return place(logp), place(entropy)
 
 
-def shuffle_into_minibatches(lengths: torch.Tensor, cfg: Config) -> list[list[torch.Tensor]]:
-    """Shuffle trajectories (lengths (N,)) into mini-batches, each a list of micro-batch index tensors
-    of rows of similar length (less padding); every log-prob pass runs these same micro-batches."""
-    perm = torch.randperm(len(lengths))
-    return [list(mb[lengths[mb].argsort(stable=True)].split(cfg.micro_batch_size))
-            for mb in perm.split(cfg.mini_batch_size)]
-
-
 @torch.no_grad()
 def batch_logprobs(model, batch, minibatches, cfg, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy of all trajectories, micro-batch by micro-batch as in `minibatches`
@@ -279,6 +275,9 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     group_ids = torch.arange(len(prompts)).repeat_interleave(cfg.group_size)              # (N,)
     with phases("rollout"):
         out = rollout.rollout(model, tokenizer, records, retriever, rollout_config(cfg), progress=phases.note)
+        out, records, redrawn = dynamic_sampling.redraw_tied_groups(   # --drop-tied-groups N (DAPO); N = 0: unchanged
+            out, records, cfg.drop_tied_groups, cfg.group_size, sampler.next,
+            lambda recs: rollout.rollout(model, tokenizer, recs, retriever, rollout_config(cfg), progress=phases.note))
 
     # 2. Rewards (exact match of the final answer, one number per episode) and advantages.
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)      # (N,)
@@ -287,7 +286,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
              "advantages": group_advantages(rewards, group_ids)}                           # (N,)
 
     # 3. Old (rollout-policy) and reference log-probs, in the micro-batches the update will use.
-    minibatches = shuffle_into_minibatches(out.attention_mask.sum(1), cfg)
+    minibatches = shuffle_into_minibatches(out.attention_mask.sum(1), cfg.mini_batch_size, cfg.micro_batch_size)
     with phases("logprob", release=False):
         # [1:]: mini-batch 0 is updated before any optimizer step, when the policy still is the
         # rollout policy, so its update pass gives its old log-probs (step 4); rows stay 0 till then
@@ -350,10 +349,16 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     # 5. Monitor and log: what the step did to the likelihood of correct responses.
     metrics = {"step": step, "lr": lr, **rollout_stats(out, batch["old_logp"], rewards, group_ids),
                **runs.update_stats(logged, norms), "entropy": masked_mean(old_entropy, out.loss_mask).item(),
-               "llds/answer_weight": beta, "lld/displacement_correct": None, "lld/frac_correct_fell": None}
-    if cfg.displacement_every and step % cfg.displacement_every == 0:
+               "llds/answer_weight": beta, "lld/displacement_correct": None, "lld/frac_correct_fell": None,
+               "rollout/redrawn_groups": redrawn}
+    view = cfg.token_view_every and step % cfg.token_view_every == 0
+    if view or (cfg.displacement_every and step % cfg.displacement_every == 0):
         with phases("logprob", release=False):
-            metrics.update(displacement(model, batch, minibatches, rewards > 0, batch["old_logp"], cfg, device))
+            lld, change = displacement(model, batch, minibatches, rewards > 0, batch["old_logp"], cfg, device, view)
+        metrics.update(lld)
+    if view:    # where the likelihood fell, token by token: <run>/views/ (plumbing/token_view.py)
+        with phases("view", release=False):
+            token_view.write_step_view(run_dir, step, tokenizer, out, batch, change, group_ids, records, cfg.llds_gate)
     metrics.update(phases.timing(out.timing, out.n_generated))      # timing/*, rollout_tokens_per_s
     runs.write_samples(run_dir / "samples" / f"step_{step:04d}.txt", records, out.episodes, cfg.samples_per_step)
     return metrics
@@ -371,10 +376,8 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
     def mean_or_none(x, sel):
         return x[sel].mean().item() if sel.any() else None
 
-    tied = [len(set(rewards[group_ids == g].tolist())) == 1 for g in group_ids.unique()]   # (groups,)
     return {
         "reward": rewards.mean().item(),
-        "frac_reward_zero_std": statistics.fmean(tied),   # tied groups (TRL's name)
         "em": statistics.fmean(e["em"] for e in eps),
         "f1": statistics.fmean(e["f1"] for e in eps),
         "response_length": mask.sum(1).mean().item(),
@@ -383,34 +386,33 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
         "finished": statistics.fmean(float(e["finished"]) for e in eps),
         "lld/logp_correct": mean_or_none(per_response, correct & has_tokens),
         "lld/logp_incorrect": mean_or_none(per_response, ~correct & has_tokens),
-        "lld/shared_first_search": shared_first_search(eps, correct, group_ids),   # pairs that share a prefix
-        # sampling-time vs recomputed log-probs (KV-cache decode vs full forward, bf16 rounding)
-        "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),
+        **search_health(eps, rewards, group_ids),   # frac_reward_zero_std, search/*, lld/shared_first_search
+        "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),   # KV decode vs forward
     }
 
 
 @torch.no_grad()
-def displacement(model, batch, minibatches, correct, old_logp, cfg, device) -> dict:
+def displacement(model, batch, minibatches, correct, old_logp, cfg, device, every_row=False) -> tuple[dict, torch.Tensor]:
     """Likelihood displacement of the correct responses (correct: (N,) bool) by this step's updates:
     summed log-prob after minus before, one no-grad forward over the very micro-batches that computed
-    `old_logp`, so unchanged weights give exactly 0 (regrouped rows moved sums by 0.32 nats in bf16)."""
-    micros = [mu for mb in minibatches for mu in mb if correct[mu].any()]
-    if not micros:
-        return {"lld/displacement_correct": None, "lld/frac_correct_fell": None,
-                "lld/displacement_correct_search": None, "lld/displacement_correct_answer": None}
-    after, _ = batch_logprobs(model, batch, [micros], cfg, device)
+    `old_logp`, so unchanged weights give exactly 0 (regrouped rows moved sums by 0.32 nats in bf16).
+    -> (metrics, change (N, T): after - before per model token of the rows forwarded, all with every_row)."""
+    micros = [mu for mb in minibatches for mu in mb if every_row or correct[mu].any()]
+    after = batch_logprobs(model, batch, [micros], cfg, device)[0] if micros else old_logp
+    change = torch.where(batch["loss_mask"].bool(), after - old_logp, 0.0)             # (N, T) per token
+    if not correct.any():
+        return dict.fromkeys(["lld/displacement_correct", "lld/frac_correct_fell", "lld/displacement_correct_search",
+                              "lld/displacement_correct_answer"]), change
     idx = torch.nonzero(correct).flatten()
-    mask = batch["loss_mask"][idx]                                                      # (C, T)
-    change = torch.where(mask.bool(), after[idx] - old_logp[idx], 0.0)                  # (C, T) per token
-    delta = change.sum(1)                                                               # (C,)
+    delta = change[idx].sum(1)                                                          # (C,)
     # the paper's Fig. 5: the answer action (the model turn holding <answer>) vs the turns before it
-    turn = action_ids(mask)                                                             # (C, T)
+    turn = action_ids(batch["loss_mask"][idx])                                          # (C, T)
     answer_turn = (turn * batch["answer_mask"][idx].bool()).amax(1, keepdim=True)       # (C, 1), 0 = none
     in_answer = (turn == answer_turn) & (answer_turn > 0)
     return {"lld/displacement_correct": delta.mean().item(),
             "lld/frac_correct_fell": (delta < 0).float().mean().item(),
-            "lld/displacement_correct_search": change.masked_fill(in_answer, 0.0).sum(1).mean().item(),
-            "lld/displacement_correct_answer": change.masked_fill(~in_answer, 0.0).sum(1).mean().item()}
+            "lld/displacement_correct_search": change[idx].masked_fill(in_answer, 0.0).sum(1).mean().item(),
+            "lld/displacement_correct_answer": change[idx].masked_fill(~in_answer, 0.0).sum(1).mean().item()}, change
 
 
 # ---- The loop ------------------------------------------------------------------------------

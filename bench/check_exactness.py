@@ -21,7 +21,7 @@ import data  # noqa: E402
 import retriever as retrieval  # noqa: E402
 import rollout as ro  # noqa: E402
 import train  # noqa: E402
-from plumbing import fast_hf  # noqa: E402
+from plumbing import fast_hf, runs  # noqa: E402
 from plumbing.models import load_policy  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main():
         out = ro.rollout(model, tokenizer, records, search, train.rollout_config(cfg))
         batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                  "loss_mask": out.loss_mask, "answer_mask": out.answer_mask}
-        plan = train.shuffle_into_minibatches(out.attention_mask.sum(1), cfg)
+        plan = runs.shuffle_into_minibatches(out.attention_mask.sum(1), cfg.mini_batch_size, cfg.micro_batch_size)
         for ckpt in (False, True):
             cfg.grad_checkpointing = ckpt
             if ckpt:

@@ -27,8 +27,8 @@ from tasks.lab import build_lab  # noqa: E402
 
 PY = sys.executable
 SFT_DIR = ROOT / "runs" / "lab" / "sft"
-# The warm-start recipe (docs/lab/prereg.md): sft.py's defaults on the lab's SFT questions.
-SFT_ARGS = ["--epochs", "3", "--lr", "2e-3", "--episodes-per-question", "8"]
+# The warm-start recipe (docs/lab/prereg.md): the lab's SFT questions and four other worlds' (tasks/lab.py).
+SFT_ARGS = ["--epochs", "2", "--lr", "2e-3", "--episodes-per-question", "2"]
 PILOT_LRS, PILOT_UPDATES, PILOT_SEEDS = (1e-5, 3e-5, 1e-4), (4, 10), range(1000, 1008)
 STUDY_SEEDS = range(32)
 BATCH = 8 * 5                                          # prompts x group size of the lab preset
@@ -59,7 +59,7 @@ def sft() -> Path:
     model = SFT_DIR / "model"
     if not (model / "config.json").exists():
         subprocess.run([PY, "sft.py", "--model", str(lab / "base"), "--data", str(lab / "sft"),
-                        "--corpus", str(lab / "corpus.jsonl"), "--out", str(SFT_DIR), *SFT_ARGS],
+                        "--corpus", str(lab / "sft" / "corpus.jsonl"), "--out", str(SFT_DIR), *SFT_ARGS],
                        cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     print(f"SFT model {model}: sha256 {sha256(model)}")
     return model
@@ -75,6 +75,7 @@ def check(model: Path, questions: int = 200) -> dict:
     import rollout
     import train
     from plumbing.models import load_policy
+    from plumbing.search_health import shared_first_search
 
     torch.manual_seed(0)
     lab = build_lab()
@@ -86,7 +87,7 @@ def check(model: Path, questions: int = 200) -> dict:
     correct = torch.tensor([e["em"] > 0 for e in out.episodes])
     groups = torch.arange(len(records)).repeat_interleave(5)
     result = {"em_sampled": correct.float().mean().item(), "questions": questions, "samples": 5,
-              "shared_first_search": train.shared_first_search(out.episodes, correct, groups),
+              "shared_first_search": shared_first_search(out.episodes, correct, groups),
               "groups_tied": train.rollout_stats(out, out.logp, correct.float(), groups)["frac_reward_zero_std"],
               "model_tokens": out.loss_mask.sum(1).mean().item()}
     print(json.dumps(result))

@@ -11,7 +11,7 @@ PANELS = [("training reward (-), held-out EM (--)", ["reward", "eval/em"]),
           ("LLDS active token fraction", ["llds/active_token_frac"]),
           ("entropy", ["entropy"]),
           (GRAD_NORM, ["grad_norm_max"]),
-          ("searches per episode", ["searches"]),
+          ("searches per episode (-), passages holding the answer (--)", ["searches", "search/answer_in_passages"]),
           ("correct/incorrect pairs sharing the first query", ["lld/shared_first_search"])]
 STYLES = ["-", "--"]
 IGNORED = {"name", "out_dir", "resume"}     # settings that never make runs differ

@@ -62,6 +62,20 @@ class MetricsLog:
             self.tensorboard.flush()          # a killed run loses nothing it logged
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
+        samples = self.run_dir / "samples" / f"step_{step:04d}.txt"     # train.py wrote it just before
+        if samples.exists() and (self.tensorboard or self.wandb):
+            self.log_samples(step, samples.read_text())
+
+    def log_samples(self, step: int, text: str) -> None:
+        """A step's saved trajectories: TensorBoard text (samples), a W&B table, one row per trajectory."""
+        if self.tensorboard is not None:
+            self.tensorboard.add_text("samples", "    " + text.replace("\n", "\n    "), step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            import wandb
+
+            rows = [[step, block if block.startswith("===") else "=== " + block] for block in text.split("\n=== ") if block.strip()]
+            self.wandb.log({"samples": wandb.Table(columns=["step", "trajectory"], data=rows)}, step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:

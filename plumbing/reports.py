@@ -7,14 +7,15 @@ import json
 from pathlib import Path
 
 from plumbing.runs import json_safe
+from plumbing.scores import format_sampled
 
 
 def format_table(summary: dict) -> str:
     """Plain-text table: one row per source, then the paper's group averages."""
-    lines = [f"{'source':<28}{'N':>6}{'EM':>8}{'F1':>8}{'searches':>10}"]
+    lines = [f"{'source':<28}{'N':>6}{'EM':>8}{'F1':>8}{'searches':>10}{'cover-EM':>10}"]
 
     def row(name, r):
-        return f"{name:<28}{r['n']:>6}{r['em']:>8.3f}{r['f1']:>8.3f}{r['searches']:>10.2f}"
+        return f"{name:<28}{r['n']:>6}{r['em']:>8.3f}{r['f1']:>8.3f}{r['searches']:>10.2f}{r['cover_em']:>10.3f}"
     lines += [row(src, r) for src, r in summary["sources"].items()]
     lines.append("-" * len(lines[0]))
     lines += [row(f"avg {group} (macro)", summary[group]) for group in ("general", "multihop", "all")
@@ -43,4 +44,5 @@ def write_outputs(out_dir: Path, runs: dict[str, tuple[dict, dict]]) -> None:
             for ex in result["examples"]:
                 f.write(json.dumps({"mode": mode, **ex}, ensure_ascii=False) + "\n")
     (out_dir / "results.txt").write_text("\n\n".join(
-        f"{format_header(setting)}\n\n{format_table(result)}" for setting, result in runs.values()) + "\n")
+        f"{format_header(setting)}\n\n{format_table(result)}"
+        + (f"\n\n{format_sampled(result['sampled'])}" if "sampled" in result else "") for setting, result in runs.values()) + "\n")

@@ -68,6 +68,14 @@ def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
     return {k: v[idx, :length].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
 
 
+def shuffle_into_minibatches(lengths: torch.Tensor, mini_batch_size: int, micro_batch_size: int) -> list[list[torch.Tensor]]:
+    """Shuffle trajectories (lengths (N,)) into mini-batches, each a list of micro-batch index tensors
+    of rows of similar length (less padding); every log-prob pass runs these same micro-batches."""
+    perm = torch.randperm(len(lengths))
+    return [list(mb[lengths[mb].argsort(stable=True)].split(micro_batch_size))
+            for mb in perm.split(mini_batch_size)]
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -336,26 +344,25 @@ def postfix(m: dict) -> dict:
             "step_s": f"{m['timing/step']:.0f}"}
 
 
-def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: torch.Tensor) -> float | None:
-    """Fraction of (correct, incorrect) response pairs of one group with the same first search query
-    (lower-cased, whitespace collapsed); None when no group has both. The paper's mechanism: such pairs
-    share a context prefix, and pushing the incorrect one down drags the correct one's likelihood."""
-    first = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in episodes]
-    pairs = [(i, j) for i in range(len(first)) for j in range(len(first))
-             if group_ids[i] == group_ids[j] and correct[i] and not correct[j]]
-    if not pairs:
-        return None
-    return sum(first[i] is not None and first[i] == first[j] for i, j in pairs) / len(pairs)
-
-
 class SpiralMonitor:
     """Warns when the death-spiral pattern shows: the log-likelihood of correct responses falls
     `window` steps in a row (phase II of the paper's figure 2), or the gradient norm jumps above
-    `factor` x its running median (phase III)."""
+    `factor` x its running median (phase III). And when the signal dries up: every group tied
+    (frac_reward_zero_std = 1) `window` steps in a row, or the retrieved passages holding the answer
+    less often `window` steps in a row (search/answer_in_passages: searching, not reading, failing)."""
 
     def __init__(self, window: int, factor: float, history: dict | None = None):
         self.window, self.factor = window, factor
-        self.history = history or {"logp_correct": [], "grad_norm": []}
+        self.history = {"logp_correct": [], "grad_norm": [], "tied": [], "answer_in_passages": [], **(history or {})}
+
+    def _run(self, key: str, value, kept) -> list | None:
+        """Append value (unless None) to history[key]; its last window + 1 values when they all satisfy kept(a, b)."""
+        if value is None:
+            return None
+        values = self.history[key]
+        values.append(value)
+        recent = values[-(self.window + 1):]
+        return recent if len(recent) == self.window + 1 and all(kept(a, b) for a, b in zip(recent, recent[1:])) else None
 
     def warn(self, step: int, metrics: dict) -> int:
         """check(), printing each warning above the progress bar; 1 if there was one, else 0."""
@@ -365,15 +372,18 @@ class SpiralMonitor:
         return int(bool(warnings))
 
     def check(self, step: int, metrics: dict) -> list[str]:
-        warnings, logp, norms = [], self.history["logp_correct"], self.history["grad_norm"]
-        if metrics.get("lld/logp_correct") is not None:
-            logp.append(metrics["lld/logp_correct"])
-            recent = logp[-(self.window + 1):]
-            if len(recent) == self.window + 1 and all(b < a for a, b in zip(recent, recent[1:])):
-                warnings.append(
-                    f"step {step}: mean log-likelihood of correct responses fell {self.window} steps "
-                    f"in a row ({recent[0]:.3f} -> {recent[-1]:.3f}); lazy likelihood displacement, "
-                    "the first sign of a GRPO collapse (keep LLDS on, or raise --llds-lambda)")
+        warnings, norms = [], self.history["grad_norm"]
+        if recent := self._run("logp_correct", metrics.get("lld/logp_correct"), lambda a, b: b < a):
+            warnings.append(
+                f"step {step}: mean log-likelihood of correct responses fell {self.window} steps "
+                f"in a row ({recent[0]:.3f} -> {recent[-1]:.3f}); lazy likelihood displacement, "
+                "the first sign of a GRPO collapse (keep LLDS on, or raise --llds-lambda)")
+        if self._run("tied", metrics.get("frac_reward_zero_std"), lambda a, b: a == b == 1.0):
+            warnings.append(f"step {step}: every group's rewards tied {self.window + 1} steps in a row: no GRPO "
+                            "gradient (AdamW momentum still moves the policy; --drop-tied-groups redraws such prompts)")
+        if recent := self._run("answer_in_passages", metrics.get("search/answer_in_passages"), lambda a, b: b < a):
+            warnings.append(f"step {step}: passages holding the answer fell {self.window} steps in a row "
+                            f"({recent[0]:.2f} -> {recent[-1]:.2f}): the policy is searching worse")
         norm = metrics.get("grad_norm_max")
         if norm is not None:
             if not math.isfinite(norm):

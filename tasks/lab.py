@@ -35,14 +35,14 @@ from pathlib import Path
 
 from tasks.toy_world import parse_question, read_facts, write_jsonl
 
-LAB_VERSION = 1  # bump when anything below changes, so cached lab folders are rebuilt
+LAB_VERSION = 2  # bump when anything below changes, so cached lab folders are rebuilt
 
 # How the scripted searcher errs: fixed before any RL run (docs/lab/prereg.md).
 MIXTURE = {
-    "search_right": 0.70,      # first query = the asked entity's full name
+    "search_right": 0.85,      # first query = the asked entity's full name
     "wrong_query": {"surname": 1 / 2, "question_words": 1 / 2},   # (a name with one vowel changed taught
     #                                                                     the model to garble the names it copies)
-    "answer_right": 0.45,      # answer = the asked relation, read from the passage titled with the asked name
+    "answer_right": 0.70,      # answer = the asked relation, read from the passage titled with the asked name
     "wrong_answer": {"distractor_same_relation": 0.6, "right_doc_other_fact": 0.4},
 }
 VOCAB_SIZE = 2048
@@ -118,6 +118,21 @@ def write_question_sets(world_dir: Path, out_dir: Path) -> None:
         (out_dir / half).mkdir(parents=True, exist_ok=True)
         write_jsonl(out_dir / half / "train.jsonl", [r for r in single["train"] if _half(r["question"]) == half])
         write_jsonl(out_dir / half / "test.jsonl", single["test"])
+
+
+def add_other_worlds(sft_dir: Path, lab_world: Path, other_worlds: list[Path]) -> None:
+    """Widen the SFT set with the toy_nq training questions of other toy worlds (other names, the
+    same templates) and search them all in one corpus, sft_dir/corpus.jsonl (every world's passages,
+    renumbered). The lab's RL and held-out questions stay its own world's; a question about a name
+    that is also a title of the lab's world is left out."""
+    def rows(path):
+        return [json.loads(line) for line in open(path, encoding="utf-8")]
+    corpus = [r["contents"] for w in [lab_world, *other_worlds] for r in rows(w / "corpus.jsonl")]
+    lab_titles = {r["contents"].partition("\n")[0].strip('"') for r in rows(lab_world / "corpus.jsonl")}
+    extra = [r for w in other_worlds for r in rows(w / "train.jsonl")
+             if r["data_source"] == "toy_nq" and parse_question(r["question"])[0] not in lab_titles]
+    write_jsonl(sft_dir / "train.jsonl", rows(sft_dir / "train.jsonl") + extra)
+    write_jsonl(sft_dir / "corpus.jsonl", [{"id": str(i), "contents": c} for i, c in enumerate(corpus)])
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
@@ -209,6 +224,7 @@ def build_lab() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
     write_question_sets(world, tmp)
+    add_other_worlds(tmp / "sft", world, [data.toy_world(seed) for seed in PRETRAIN_WORLDS])
     shutil.copy(world / "corpus.jsonl", tmp / "corpus.jsonl")   # --corpus of every lab run
     fixed = [rollout.SEARCH_R1_TEMPLATE.split("{question}")[0], rollout.INVALID_ACTION,
              "<search> x </search>\n\n<information>Doc 1(Title: \"X\") y\nDoc 2(Title: \"X\") y\n"

@@ -81,24 +81,24 @@ def test_source_groups():
 
 
 def test_scores_by_source_hand_worked():
-    def ex(source, em, f1, n):
-        return {"data_source": source, "em": em, "f1": f1, "n_search": n}
+    def ex(source, em, f1, n):       # cover-EM: 1 wherever F1 > 0 here
+        return {"data_source": source, "em": em, "f1": f1, "n_search": n, "cover_em": float(f1 > 0)}
     per_example = [ex("toy_nq", 1, 1.0, 1), ex("toy_nq", 0, 0.5, 2), ex("toy_nq", 1, 1.0, 1), ex("toy_nq", 1, 1.0, 0),
                    ex("toy_hotpot_bridge", 0, 0.5, 2), ex("toy_hotpot_bridge", 1, 1.0, 2),
                    ex("toy_hotpot_comparison", 1, 1.0, 3), ex("other", 0, 0.0, 0)]
     s = ev.scores_by_source(per_example)
-    assert s["sources"]["toy_nq"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0}
-    assert s["sources"]["toy_hotpot_bridge"] == {"n": 2, "em": 0.5, "f1": 0.75, "searches": 2.0}
-    assert s["general"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0}
+    assert s["sources"]["toy_nq"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0, "cover_em": 1.0}
+    assert s["sources"]["toy_hotpot_bridge"] == {"n": 2, "em": 0.5, "f1": 0.75, "searches": 2.0, "cover_em": 1.0}
+    assert s["general"] == {"n": 4, "em": 0.75, "f1": 0.875, "searches": 1.0, "cover_em": 1.0}
     # Macro average: every source counts once, whatever its size (the paper's "Avg.").
-    assert s["multihop"] == {"n": 3, "em": 0.75, "f1": 0.875, "searches": 2.5}
-    assert s["all"] == pytest.approx({"n": 8, "em": 2.25 / 4, "f1": 2.625 / 4, "searches": 6 / 4})
+    assert s["multihop"] == {"n": 3, "em": 0.75, "f1": 0.875, "searches": 2.5, "cover_em": 1.0}
+    assert s["all"] == pytest.approx({"n": 8, "em": 2.25 / 4, "f1": 2.625 / 4, "searches": 6 / 4, "cover_em": 3 / 4})
     table = ev.format_table(s)
     assert "avg multihop (macro)" in table and "toy_hotpot_comparison" in table
 
 
 def test_scores_by_source_empty_group_is_nan(tmp_path):
-    s = ev.scores_by_source([{"data_source": "nq", "em": 1.0, "f1": 1.0, "n_search": 0}])
+    s = ev.scores_by_source([{"data_source": "nq", "em": 1.0, "f1": 1.0, "n_search": 0, "cover_em": 1.0}])
     assert s["multihop"]["n"] == 0 and math.isnan(s["multihop"]["em"])
     assert "multihop" not in ev.format_table(s)
     ev.write_outputs(tmp_path, {"direct": ({"mode": "direct"}, {**s, "examples": []})})
@@ -132,8 +132,10 @@ def test_evaluate_scripted_policy():
     assert (src["hotpotqa"]["em"], src["hotpotqa"]["f1"]) == (0.0, pytest.approx(2 / 3))
     assert (src["bamboogle"]["em"], src["bamboogle"]["f1"]) == (1.0, 1.0)
     assert out["general"]["em"] == 0.5
-    assert out["multihop"] == pytest.approx({"n": 2, "em": 0.5, "f1": 5 / 6, "searches": 1.0})
-    assert out["all"] == pytest.approx({"n": 5, "em": 0.375, "f1": (0.5 + 2 / 3 + 1) / 4, "searches": 0.625})
+    assert [e["cover_em"] for e in out["examples"]] == [1.0, 0.0, 0.0, 1.0, 0.0]   # "Obama" holds no "Barack Obama"
+    assert out["multihop"] == pytest.approx({"n": 2, "em": 0.5, "f1": 5 / 6, "searches": 1.0, "cover_em": 0.5})
+    assert out["all"] == pytest.approx({"n": 5, "em": 0.375, "f1": (0.5 + 2 / 3 + 1) / 4, "searches": 0.625,
+                                        "cover_em": 0.375})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,3 +285,23 @@ def test_flags_are_rollout_config_fields_with_evals_defaults(capsys):
         with pytest.raises(SystemExit):
             ev.parse_args(bad)
     assert "--batch-size: must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_samples_reports_avg_and_pass_at_k_and_cover_em(tmp_path, monkeypatch, capsys):
+    tok = byte_tokenizer()
+    questions = ["Who wrote Hamlet?", "Who wrote Faust?"]
+    policy = ScriptedPolicy(tok, {questions[0]: ["<answer> Shakespeare </answer>"],
+                                  questions[1]: ["<answer> it was Goethe </answer>"]})
+    monkeypatch.setattr(ev, "load_policy", lambda path, dtype=None: (policy, tok))
+    f = tmp_path / "nq.jsonl"
+    f.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "golden_answers": [g]}) + "\n"
+                         for i, (q, g) in enumerate(zip(questions, ["Shakespeare", "Goethe"]))))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"id": "d", "contents": "Hamlet"}) + "\n")
+    ev.main(["--data", str(f), "--corpus", str(tmp_path / "c.jsonl"), "--samples", "3", "--max-turn-tokens", "40",
+             "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "avg@3" in printed and "pass@3" in printed and "cover-EM" in printed
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["search"]
+    assert results["all"]["em"] == 0.5 and results["all"]["cover_em"] == 1.0     # "it was Goethe" covers Goethe
+    assert results["sampled"]["sources"]["nq"]["n"] == 2 and results["sampled"]["all"]["avg@k"] == 0.5
+    assert results["sampled"]["all"]["pass@k"] == 0.5

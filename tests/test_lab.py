@@ -39,6 +39,21 @@ def test_sft_and_rl_questions_ask_about_different_entities(tmp_path):
     assert (tmp_path / "rl" / "test.jsonl").read_text() == (tmp_path / "sft" / "test.jsonl").read_text()
 
 
+def test_other_worlds_widen_the_sft_set_and_its_corpus_only(tmp_path):
+    world, other = data.toy_world(), data.toy_world(1)
+    lab.write_question_sets(world, tmp_path)
+    before = {h: (tmp_path / h / "train.jsonl").read_text() for h in ("sft", "rl")}
+    lab.add_other_worlds(tmp_path / "sft", world, [other])
+    sft = (tmp_path / "sft" / "train.jsonl").read_text()
+    assert sft.startswith(before["sft"]) and (tmp_path / "rl" / "train.jsonl").read_text() == before["rl"]
+    extra = [json.loads(l) for l in sft[len(before["sft"]):].splitlines()]
+    other_nq = [r for r in map(json.loads, (other / "train.jsonl").read_text().splitlines()) if r["data_source"] == "toy_nq"]
+    assert extra and all(r in other_nq for r in extra)
+    corpus = [json.loads(l) for l in (tmp_path / "sft" / "corpus.jsonl").read_text().splitlines()]
+    passages = [json.loads(l)["contents"] for w in (world, other) for l in (w / "corpus.jsonl").read_text().splitlines()]
+    assert [r["contents"] for r in corpus] == passages and [r["id"] for r in corpus] == [str(i) for i in range(len(passages))]
+
+
 def test_the_lab_preset_trains_and_logs_what_the_analysis_reads(tmp_path):
     tiny_lab_model(tmp_path / "model")
     world = data.toy_world()

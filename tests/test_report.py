@@ -37,6 +37,14 @@ def tensorboard_scalars(run_dir) -> tuple[dict, dict]:
     return values, hparams
 
 
+def tensorboard_text_steps(run_dir) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [e.step for e in acc.Tensors("samples/text_summary")]
+
+
 def wandb_records(path) -> list:
     """The protobuf records of a .wandb file: a 7-byte header, then LevelDB-log blocks of 32 KiB
     whose records (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) carry a Record."""
@@ -98,12 +106,15 @@ def test_tensorboard_and_wandb_hold_the_numbers_of_metrics_jsonl(tmp_path, alter
 
     tb, hparams = tensorboard_scalars(run)
     assert tb.keys() == expected.keys()
+    assert tensorboard_text_steps(run) == [1, 2]                 # each step's saved trajectories
     for key, value in expected.items():                # TensorBoard stores float32
         assert tb[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
     assert hparams["lr"] == pytest.approx(cfg.lr) and hparams["name"] == "run" and hparams["llds"] == 1   # bools become numbers
 
     wb, config = wandb_scalars(run)
-    assert wb == expected                              # JSON doubles: exactly the same numbers
+    tables = {k: v for k, v in wb.items() if k[0] == "samples"}
+    assert set(tables) == {("samples", 1), ("samples", 2)}      # a table of trajectories per step (nested keys)
+    assert {k: v for k, v in wb.items() if k[0] != "samples"} == expected   # JSON doubles: exactly the same numbers
     assert config["lr"] == cfg.lr and config["report_to"] == "tensorboard,wandb"
     out = capsys.readouterr().out
     assert f"the run goes to {run / 'wandb'}/offline-run-" in out and "upload it with: wandb sync " in out

@@ -237,7 +237,7 @@ def test_minibatches_keep_the_shuffle_and_group_rows_of_similar_length():
     torch.manual_seed(3)
     perm = torch.randperm(8)
     torch.manual_seed(3)
-    minibatches = train.shuffle_into_minibatches(lengths, cfg)
+    minibatches = runs.shuffle_into_minibatches(lengths, cfg.mini_batch_size, cfg.micro_batch_size)
     assert [sorted(torch.cat(mb).tolist()) for mb in minibatches] == [sorted(perm[:4].tolist()), sorted(perm[4:].tolist())]
     for mb in minibatches:
         order = lengths[torch.cat(mb)].tolist()
@@ -440,23 +440,10 @@ def test_flags_presets_and_errors(tmp_path):
         train.setup(tiny_config(tmp_path))
 
 
-def test_shared_first_search_counts_correct_incorrect_pairs_of_a_group():
-    q = lambda *queries: {"queries": list(queries)}                                       # noqa: E731
-    episodes = [q("Talia  Wrenn", "x"), q("talia wrenn"), q("Orvale"), q(),             # group 0
-                q("a"), q("a"),                                                          # group 1
-                q("b"), q("c")]                                                          # group 2
-    correct = torch.tensor([1, 0, 0, 0, 1, 1, 1, 0]).bool()
-    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
-    # group 0: pairs (0,1) same, (0,2) differ, (0,3) no search; group 1: no incorrect;
-    # group 2: (6,7) differ -> 1 of 4 pairs
-    assert train.shared_first_search(episodes, correct, groups) == 0.25
-    assert train.shared_first_search(episodes[4:6], correct[4:6], groups[4:6]) is None
-
-
 def test_rollout_stats_mean_log_likelihood_of_correct_and_incorrect_responses():
     from types import SimpleNamespace
     ep = lambda em, q: {"em": em, "f1": em, "n_search": 1, "n_valid": 1, "finished": True,  # noqa: E731
-                        "queries": [q]}
+                        "queries": [q], "golds": ["Orvale"], "text": f"<information>{q} Orvale</information>"}
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
     old = torch.tensor([[9., -1., -3., 9.], [9., -2., -2., -5.], [9., -4., 9., 9.], [9., 9., 9., 9.]])
     out = SimpleNamespace(episodes=[ep(1.0, "a"), ep(0.0, "a"), ep(0.0, "b"), ep(0.0, "a")],
@@ -467,6 +454,7 @@ def test_rollout_stats_mean_log_likelihood_of_correct_and_incorrect_responses():
     # a row that has tokens, row 3 also searched "a" -> 2 of 3.
     assert stats["lld/logp_correct"] == -2.0 and stats["lld/logp_incorrect"] == -3.5
     assert stats["lld/shared_first_search"] == pytest.approx(2 / 3)
+    assert stats["search/answer_in_passages"] == 1.0 and stats["search/unique_queries"] == 2   # "a", "b"
     assert stats["rollout/logp_diff"] == 0.0 and stats["reward"] == 0.25
 
 
@@ -495,6 +483,16 @@ def test_spiral_monitor_names_the_evidence():
     monitor.check(5, {"lld/logp_correct": None, "grad_norm_max": 1.0})
     warnings = monitor.check(6, {"lld/logp_correct": None, "grad_norm_max": 50.0})
     assert len(warnings) == 1 and re.search(r"gradient norm 50 .* running median 1", warnings[0])
+
+
+def test_spiral_monitor_warns_when_groups_tie_and_when_search_gets_worse():
+    monitor = runs.SpiralMonitor(window=2, factor=10.0, history={"logp_correct": [], "grad_norm": []})  # an old checkpoint's
+    tied = [1.0, 1.0, 0.5, 1.0, 1.0, 1.0]                 # a spread at step 3 restarts the count
+    found = [monitor.check(s, {"frac_reward_zero_std": t}) for s, t in enumerate(tied, 1)]
+    assert [bool(w) for w in found] == [False, False, False, False, False, True]
+    assert "every group's rewards tied 3 steps in a row" in found[-1][0]
+    found = [monitor.check(s, {"search/answer_in_passages": a}) for s, a in enumerate([0.9, 0.8, 0.8, 0.7, 0.5], 1)]
+    assert [bool(w) for w in found] == [False, False, False, False, True] and "(0.80 -> 0.50)" in found[-1][0]
 
 
 def test_update_stats_weights_each_metric_by_its_records_weight():
@@ -533,7 +531,7 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
     old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
     correct = torch.tensor([True, False, True, False])
-    assert train.displacement(model, batch, plan, correct, old, cfg, cpu) == {
+    assert train.displacement(model, batch, plan, correct, old, cfg, cpu)[0] == {
         "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0,
         "lld/displacement_correct_search": 0.0, "lld/displacement_correct_answer": 0.0}
     # the same rows regrouped (what the monitor did before) are not bit-identical
@@ -595,7 +593,7 @@ def test_paired_change_counts_turned_questions_and_gives_the_exact_sign_test():
 
 def test_tied_groups_and_zero_gradient_steps_are_named(tmp_path, alternating_rewards):
     from types import SimpleNamespace
-    ep = {"em": 0.0, "f1": 0.0, "n_search": 0, "n_valid": 0, "finished": False, "queries": []}
+    ep = {"em": 0.0, "f1": 0.0, "n_search": 0, "n_valid": 0, "finished": False, "queries": [], "golds": ["x"], "text": ""}
     out = SimpleNamespace(episodes=[ep] * 6, loss_mask=torch.ones(6, 2), logp=torch.zeros(6, 2))
     stats = train.rollout_stats(out, torch.zeros(6, 2), torch.tensor([1., 1., 0., 1., 0., 0.]),
                                 torch.tensor([0, 0, 1, 1, 2, 2]))
@@ -622,8 +620,9 @@ def test_displacement_splits_into_search_turns_and_the_answer_turn(monkeypatch):
     after = torch.tensor([[9., -1., -2., 9., 0.5, -3.], [9., 1., 1., -4., 9., 9.], [5.] * 6])
     batch = {"loss_mask": mask, "answer_mask": answer}
     monkeypatch.setattr(train, "batch_logprobs", lambda *a: (after, None))
-    out = train.displacement(None, batch, [[torch.tensor([0, 1, 2])]], torch.tensor([True, True, False]),
-                             old, None, None)
+    out, change = train.displacement(None, batch, [[torch.tensor([0, 1, 2])]], torch.tensor([True, True, False]),
+                                     old, None, None)
+    assert torch.equal(change, torch.where(mask.bool(), after, 0.0))
     # row 0: search -3, answer -2.5 (total -5.5); row 1: search -2, answer 0 (total -2)
     assert out["lld/displacement_correct"] == pytest.approx(-3.75)
     assert out["lld/displacement_correct_search"] == pytest.approx(-2.5)

@@ -1,0 +1,53 @@
+"""The token view (plumbing/token_view.py) of a real tiny run: its per-token numbers add up to the
+logged displacement, and its page marks what the JSONL says."""
+import json
+import re
+import shutil
+
+import pytest
+
+import train
+from conftest import tiny_policy
+from test_train import alternating_rewards, step_lines, tiny_config  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+
+
+def test_token_changes_sum_to_the_logged_displacement(tmp_path, alternating_rewards):  # noqa: F811
+    train.train(tiny_config(tmp_path, steps=2, token_view_every=1, eval_size=0), *tiny_policy())
+    lines = step_lines(tmp_path / "run")
+    for line in lines:
+        rows = [json.loads(l) for l in (tmp_path / "run" / "views" / f"step_{line['step']:04d}.jsonl").open()]
+        assert len(rows) == 4 and {r["group"] for r in rows} == {0, 1}
+        for r in rows:
+            model = [t for t in r["tokens"] if t["kind"] == "model"]
+            assert model and all(t["change"] is None for t in r["tokens"] if t["kind"] == "obs")
+            assert sum(t["change"] for t in model) == pytest.approx(r["displacement"], abs=1e-5)
+            assert all(not t["llds"] for t in r["tokens"] if t["kind"] == "obs" or r["advantage"] < 0)
+            assert all(t["change"] < 0 for t in model if t["llds"])     # LLDS penalises falls only
+        correct = [r["displacement"] for r in rows if r["reward"] > 0]
+        assert sum(correct) / len(correct) == pytest.approx(line["lld/displacement_correct"], abs=1e-5)
+        page = (tmp_path / "run" / "views" / f"step_{line['step']:04d}.html").read_text()
+        n_model = sum(t["kind"] == "model" for r in rows for t in r["tokens"])
+        assert len(re.findall(r'<span class="model', page)) == n_model
+        assert page.count('class="resp correct"') == len(correct)
+    index = (tmp_path / "run" / "views" / "index.html").read_text()
+    assert 'href="step_0001.html"' in index and 'href="step_0002.html"' in index
+
+
+def test_no_view_is_written_when_off(tmp_path):
+    train.train(tiny_config(tmp_path, steps=1, token_view_every=0, eval_size=0), *tiny_policy())
+    assert not (tmp_path / "run" / "views").exists()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Chromium (Debian: apt-get install chromium)")
+def test_chromium_draws_what_the_jsonl_says(tmp_path, alternating_rewards):  # noqa: F811
+    from bench.view_check import browser_counts, expected_counts, screenshot
+
+    train.train(tiny_config(tmp_path, steps=1, token_view_every=1, eval_size=0), *tiny_policy())
+    page = tmp_path / "run" / "views" / "step_0001.html"
+    shown = browser_counts(page)
+    assert shown == expected_counts(page.with_suffix(".jsonl"))
+    assert shown["responses"] == 4 and shown["coloured"] > 0 and shown["grey"] > 0
+    screenshot(page, tmp_path / "shot.png", 400, 300)
+    assert (tmp_path / "shot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -21,7 +21,7 @@ const counts = {
   coloured: spans.filter(s => style(s).backgroundColor !== 'rgba(0, 0, 0, 0)').length,
   grey: spans.filter(s => style(s).color === 'rgb(153, 153, 153)').length,
   underlined: spans.filter(s => style(s).textDecorationLine.includes('underline')).length,
-  outlined: spans.filter(s => style(s).outlineStyle === 'solid').length,
+  outlined: spans.filter(s => style(s).borderTopStyle === 'solid').length,
   responses: document.querySelectorAll('.resp').length};
 document.body.insertAdjacentHTML('beforeend', '<pre id="counts">' + JSON.stringify(counts) + '</pre>');
 </script>"""

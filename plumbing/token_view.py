@@ -12,7 +12,7 @@ notebook) and as an HTML page (for a browser), plus one index page per run.
 <run>/views/step_NNNN.html    the same, group by group, correct responses first: model tokens
                               coloured by their change (red fell, blue rose), observation tokens
                               grey (no gradient), a bar at each action's start, LLDS tokens
-                              underlined, the shared first search outlined.
+                              underlined, the shared first search framed in green.
 <run>/views/index.html        one row per written step, linking its page.
 """
 import html
@@ -32,7 +32,7 @@ body { font: 14px/1.5 system-ui, sans-serif; margin: 2em; max-width: 75em; }
 .obs { color: #999; }
 .start { border-left: 2px solid #000; }
 .llds { text-decoration: underline 2px #c80; }
-.shared { outline: 2px solid #2a2; }
+.shared { border-top: 2px solid #2a2; border-bottom: 2px solid #2a2; }
 .correct .head b { color: #060; }
 </style>"""
 
@@ -76,7 +76,7 @@ def page(rows: list[dict], step: int, run_name: str) -> str:
              f"<h1>{html.escape(run_name)}: step {step}</h1><p>Model tokens coloured by their change of "
              f"log-probability over the step's updates (red fell, blue rose; full colour at |change| >= "
              f"{scale:.3g} nats); observations grey; a bar starts each action; LLDS tokens underlined; a "
-             f"first search shared by a correct and an incorrect response of the group outlined.</p>"]
+             f"first search shared by a correct and an incorrect response of the group framed in green.</p>"]
     for g in sorted({r["group"] for r in rows}):
         group = sorted((r for r in rows if r["group"] == g), key=lambda r: -r["reward"])
         parts.append(f"<div class=group><p><b>Q:</b> {html.escape(group[0]['question'])} "

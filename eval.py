@@ -181,7 +181,7 @@ def heldout_eval(model, tokenizer, records, retriever, rollout_cfg, samples: int
                "eval/em_micro": statistics.fmean(e["em"] for e in scores["examples"]),
                "eval/correct": [int(e["em"]) for e in scores["examples"]],   # per question, in order
                "eval/searches": scores["all"]["searches"], "timing/eval": scores["seconds"],
-               "eval/answer_in_passages": answer_in_passages(scores["examples"])}
+               "eval/answer_in_passages": answer_in_passages(scores["examples"], rollout.normalize_answer)}
     if samples:
         sampled = evaluate(model, tokenizer, [r for r in records for _ in range(samples)], retriever, "search",
                            dataclasses.replace(rollout_cfg, greedy=False), progress=True)
@@ -196,7 +196,7 @@ def _example(record: dict, episode: dict, mode: str) -> dict:
     """One line of predictions.jsonl. n_search counts retriever calls (rag: always 1)."""
     out = {"id": record["id"], "data_source": record["data_source"], "question": record["question"],
            "golds": episode["golds"], "prediction": episode["answer"], "em": episode["em"],
-           "f1": episode["f1"], "cover_em": cover_em(episode["answer"], episode["golds"]),
+           "f1": episode["f1"], "cover_em": cover_em(episode["answer"], episode["golds"], rollout.normalize_answer),
            "n_search": 1 if mode == "rag" else episode["n_search"],
            "finished": episode["finished"], "text": episode["text"]}
     if "retrieved" in record:

@@ -38,8 +38,8 @@ import data
 import retriever as retrieval
 import rollout
 from eval import heldout_eval
-from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
-from plumbing import dynamic_sampling, fast_hf, report, runs, token_view
+from llds import GATES, REDUCTIONS, action_ids, llds_loss, penalised_tokens, preserving_responses
+from plumbing import dynamic_sampling, fast_hf, memory_plan, report, runs, token_view
 from plumbing.cli import check_config, parse_train_args, shared_fields
 from plumbing.models import load_policy, place_for_training, reference_copy
 from plumbing.memory import peak_memory_gb
@@ -211,17 +211,15 @@ def kl_k3(logp, ref_logp):
 
 # ---- Log-probs -----------------------------------------------------------------------------
 
-def entropy_from_logits(logits):
-    """Token entropy H = -sum_v p_v log p_v from float32 logits (..., V) -> (...), stable via log_softmax."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+def entropy_from_logprobs(logp_all):
+    """Token entropy H = -sum_v p_v log p_v from float32 log-probabilities (..., V) -> (...)."""
+    return -(logp_all.exp() * logp_all).sum(dim=-1)
 
 
 def head_logprobs(lm_head, hidden, targets, temperature):
     """log p(target) and the entropy at the sampling temperature: hidden (N, H), targets (N,) -> 2 x (N,) float32."""
-    logits = lm_head(hidden).float() / temperature                                # (N, V)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    return logp, entropy_from_logits(logits)
+    logp_all = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)   # (N, V), once for both
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy_from_logprobs(logp_all)
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, share_prefix=True, prefix_store=None):
@@ -358,7 +356,10 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
         metrics.update(lld)
     if view:    # where the likelihood fell, token by token: <run>/views/ (plumbing/token_view.py)
         with phases("view", release=False):
-            token_view.write_step_view(run_dir, step, tokenizer, out, batch, change, group_ids, records, cfg.llds_gate)
+            llds_on = penalised_tokens(batch["old_logp"] + change, batch["old_logp"], batch["advantages"],
+                                       batch["loss_mask"], cfg.llds_gate)                # at the step's end
+            token_view.write_step_view(run_dir, step, tokenizer, out, batch, change, group_ids, records,
+                                       action_ids(batch["loss_mask"]), llds_on)
     metrics.update(phases.timing(out.timing, out.n_generated))      # timing/*, rollout_tokens_per_s
     runs.write_samples(run_dir / "samples" / f"step_{step:04d}.txt", records, out.episodes, cfg.samples_per_step)
     return metrics
@@ -386,7 +387,7 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
         "finished": statistics.fmean(float(e["finished"]) for e in eps),
         "lld/logp_correct": mean_or_none(per_response, correct & has_tokens),
         "lld/logp_incorrect": mean_or_none(per_response, ~correct & has_tokens),
-        **search_health(eps, rewards, group_ids),   # frac_reward_zero_std, search/*, lld/shared_first_search
+        **search_health(eps, rewards, group_ids, rollout.normalize_answer),   # frac_reward_zero_std, search/*, ...
         "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),   # KV decode vs forward
     }
 
@@ -421,6 +422,7 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     """Everything a run needs; user errors (paths, flags, servers) raise ValueError / SystemExit."""
     check_config(cfg, CHOICES)
     device = runs.pick_device(cfg.device)
+    memory_plan.check(cfg, device, model)    # one line; stops here, naming the flag, when the run cannot fit
     run_dir = runs.start_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume, cfg.seed)   # also: allocator settings, seeds
     corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
     train_records = data.load_questions(cfg.data, split="train")
@@ -436,8 +438,7 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume.
     ref = reference_copy(model, bf16_weights=device.type == "cuda" and cfg.bf16).to(device) if cfg.kl_coef > 0 else None
     place_for_training(model, device, cfg.grad_checkpointing)
-    # foreach: the same numbers as the per-tensor loop (tested), 3x faster on a CPU; fused is not bit-equal
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+    optimizer = runs.adamw(model.parameters(), cfg.lr, cfg.weight_decay, device)   # foreach on a CPU, fused on CUDA
     return runs.Run(device=device, dir=run_dir, train_records=train_records, eval_records=eval_records,
                     retriever=retriever, model=model, tokenizer=tokenizer, ref=ref, optimizer=optimizer)
 
@@ -472,6 +473,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
             evals["after" if step == cfg.steps else f"step {step}"] = {k: v for k, v in metrics.items()
                                                                       if k.startswith("eval/")}
         metrics["memory/peak_gb"] = peak_memory_gb(run.device)   # so far, evaluation included
+        metrics["memory/peak_reserved_gb"] = peak_memory_gb(run.device, reserved=True)   # = RSS on a CPU
         log(metrics)
         bar.set_postfix(runs.postfix(metrics))
         if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
@@ -487,11 +489,10 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
 
 
 def main(argv=None) -> None:
-    cfg, plot, plot_out = parse_train_args(Config, PRESETS, CHOICES, argv)
-    if plot:
-        print(plot_runs(plot, plot_out))
-        return
+    cfg, plot, plot_out, plan = parse_train_args(Config, PRESETS, CHOICES, argv)
     with runs.user_errors_exit(Path(cfg.out_dir) / cfg.name):   # one line "error: ..."; a lost retriever: how to resume
+        if plot or plan:                                         # draw saved runs, or print the memory plan; exit
+            return print(plot_runs(plot, plot_out) if plot else memory_plan.print_plan(cfg, runs.pick_device(cfg.device)))
         train(cfg)
 
 

@@ -131,16 +131,19 @@ def train_parser(config_class, presets: dict, choices: dict) -> argparse.Argumen
                         help="draw the curves of one run (RUN_DIR/curves.png) or of several overlaid, and exit")
     parser.add_argument("--plot-out", metavar="PNG", type=ranged("text", str),
                         help="where --plot draws several runs (default: compare.png beside the first)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the run's memory plan (weights, optimizer, KV cache, activations, ...) and exit")
     add_config_flags(parser, config_class, choices=choices)
     return parser
 
 
 def parse_train_args(config_class, presets: dict, choices: dict, argv=None):
-    """train.py's flags -> (config, run folders to plot or None, plot output path or None).
+    """train.py's flags -> (config, run folders to plot or None, plot output path or None, --plan).
     Explicit flags override the preset."""
     args = vars(train_parser(config_class, presets, choices).parse_args(argv))
     preset, plot, plot_out = args.pop("preset", None), args.pop("plot", None), args.pop("plot_out", None)
-    return config_class(**{**presets.get(preset, {}), **args}), plot, plot_out
+    plan = args.pop("plan", False)
+    return config_class(**{**presets.get(preset, {}), **args}), plot, plot_out, plan
 
 
 NOTES = {"max_turns": "answer-only episodes in training, no search", "eval_max_turns": "answer-only held-out episodes",

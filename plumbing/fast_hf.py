@@ -21,9 +21,10 @@ from transformers.cache_utils import DynamicLayer
 
 
 def bf16_supported(device: torch.device) -> bool:
-    """bf16 units: CUDA GPUs that have them, CPUs with AVX512-BF16 / AMX."""
+    """bf16 units: CUDA GPUs that have them (not emulated: a V100 or T4 says yes to torch's default
+    check and then runs bf16 slowly), CPUs with AVX512-BF16 / AMX."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     return device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
 
 

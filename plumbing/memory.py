@@ -7,10 +7,11 @@ import sys
 import torch
 
 
-def peak_memory_gb(device: torch.device) -> float | None:
-    """Peak memory so far: allocated GPU memory on CUDA, the process's peak RSS on Linux/macOS."""
+def peak_memory_gb(device: torch.device, reserved: bool = False) -> float | None:
+    """Peak memory so far: allocated (reserved: held by the allocator, what an OOM is about) GPU
+    memory on CUDA, the process's peak RSS on Linux/macOS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device) / 2**30
     try:
         import resource
     except ImportError:                               # Windows

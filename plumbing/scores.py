@@ -6,16 +6,14 @@ import math
 
 import numpy as np
 
-from rollout import normalize_answer
 
-
-def cover_em(prediction: str | None, golds) -> float:
-    """1.0 if a normalised gold appears in the normalised prediction as whole words ("cover
-    exact match", reported by some Search-R1 follow-ups), else 0.0."""
+def cover_em(prediction: str | None, golds, normalize) -> float:
+    """1.0 if a gold appears in the prediction as whole words, both through `normalize` (SQuAD's:
+    rollout.normalize_answer) ("cover exact match", reported by some Search-R1 follow-ups), else 0.0."""
     if prediction is None:
         return 0.0
-    text = f" {normalize_answer(prediction)} "
-    return float(any(g and f" {g} " in text for g in map(normalize_answer, [golds] if isinstance(golds, str) else golds)))
+    text = f" {normalize(prediction)} "
+    return float(any(g and f" {g} " in text for g in map(normalize, [golds] if isinstance(golds, str) else golds)))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

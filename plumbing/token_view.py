@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-from llds import _gate, _run_starts, action_ids, preserving_responses
-
 STYLE = """<style>
 body { font: 14px/1.5 system-ui, sans-serif; margin: 2em; max-width: 75em; }
 .group { border-top: 2px solid #444; margin-top: 1.5em; }
@@ -38,14 +36,11 @@ body { font: 14px/1.5 system-ui, sans-serif; margin: 2em; max-width: 75em; }
 
 
 def response_rows(tokenizer, out, batch, change: torch.Tensor, group_ids: torch.Tensor, records: list[dict],
-                  gate: str = "action") -> list[dict]:
+                  actions: torch.Tensor, llds_on: torch.Tensor) -> list[dict]:
     """The step's responses as JSON-ready dicts (module docstring). change: (N, T) float, after - before
-    on model tokens (0 elsewhere); out: the rollout; batch: train.py's (loss_mask, advantages, ...)."""
+    on model tokens (0 elsewhere); actions: (N, T) long, 1..K per model turn (llds.action_ids); llds_on:
+    (N, T) bool (llds.penalised_tokens); out: the rollout; batch: train.py's (loss_mask, advantages, ...)."""
     mask = batch["loss_mask"].bool()
-    preserving = preserving_responses(batch["advantages"], batch["loss_mask"])
-    fell = torch.where(mask, -change, 0.0)                         # old - new > 0: the likelihood fell
-    open_, _ = _gate(gate, fell, mask, preserving, _run_starts(mask))
-    llds_on, actions = open_ & (fell > 0), action_ids(mask)
     firsts = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in out.episodes]
     rows = []
     for i, e in enumerate(out.episodes):
@@ -98,9 +93,9 @@ def page(rows: list[dict], step: int, run_name: str) -> str:
     return "\n".join(parts)
 
 
-def write_step_view(run_dir: Path, step: int, tokenizer, out, batch, change, group_ids, records, gate) -> Path:
-    """<run>/views/step_NNNN.{jsonl,html} of response_rows(...), the index page rewritten; -> the step's page."""
-    rows = response_rows(tokenizer, out, batch, change, group_ids, records, gate)
+def write_step_view(run_dir: Path, step: int, *args) -> Path:
+    """<run>/views/step_NNNN.{jsonl,html} of response_rows(*args), the index page rewritten; -> the step's page."""
+    rows = response_rows(*args)
     views = Path(run_dir) / "views"
     views.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:04d}"

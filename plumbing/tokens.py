@@ -26,7 +26,13 @@ def answer_token_span(tokenizer, turn_ids: list[int], answer_re: re.Pattern) -> 
     if not matches:
         return None, []
     begin, end = matches[-1].span()
-    ends = [len(tokenizer.decode(turn_ids[:i + 1])) for i in range(len(turn_ids))]
-    starts = [0] + ends[:-1]
+    # each token's character span from the offsets of one re-encoding of the decoded text; a
+    # token whose re-encoding differs falls back to decoding every prefix (exact, O(n^2))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if enc["input_ids"] == list(turn_ids):
+        starts, ends = [s for s, _ in enc["offset_mapping"]], [e for _, e in enc["offset_mapping"]]
+    else:
+        ends = [len(tokenizer.decode(turn_ids[:i + 1])) for i in range(len(turn_ids))]
+        starts = [0] + ends[:-1]
     return matches[-1].group(1).strip(), [i for i, (s, e) in enumerate(zip(starts, ends))
                                            if s < end and e > begin]

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from train import entropy_from_logits, group_advantages, kl_k3, masked_mean, masked_sum, policy_loss
+from train import entropy_from_logprobs, group_advantages, kl_k3, masked_mean, masked_sum, policy_loss
 
 NAN, INF = float("nan"), float("inf")
 
@@ -108,11 +108,11 @@ def test_kl_k3_against_direct_computation():
     assert torch.allclose(kl_k3(x, y), (u.exp() - u - 1).clamp(-10, 10))
 
 
-def test_entropy_from_logits():
+def test_entropy_from_logprobs():
     logits = torch.zeros(2, 3, 7)                                 # uniform over 7
-    assert torch.allclose(entropy_from_logits(logits), torch.full((2, 3), math.log(7)))
+    assert torch.allclose(entropy_from_logprobs(torch.log_softmax(logits, -1)), torch.full((2, 3), math.log(7)))
     big = torch.tensor([[[1000.0, 0.0, 0.0]]])                    # stable, ~one-hot
-    assert entropy_from_logits(big).item() == pytest.approx(0.0, abs=1e-6)
+    assert entropy_from_logprobs(torch.log_softmax(big, -1)).item() == pytest.approx(0.0, abs=1e-6)
     x = torch.randn(2, 4, 11, dtype=torch.float64)
     p = x.softmax(-1)
-    assert torch.allclose(entropy_from_logits(x), -(p * p.log()).sum(-1))
+    assert torch.allclose(entropy_from_logprobs(torch.log_softmax(x, -1)), -(p * p.log()).sum(-1))

@@ -5,12 +5,14 @@ import math
 import pytest
 
 from plumbing.scores import cover_em, pass_at_k, sampled_scores
+from rollout import normalize_answer
 
 
 def test_cover_em_is_a_whole_word_gold_inside_the_normalised_answer():
-    assert cover_em("It flows through the Skultae river.", ["Skultae"]) == 1.0
-    assert cover_em("Gimliora", ["Gimli"]) == 0.0 and cover_em(None, ["x"]) == 0.0
-    assert cover_em("about 386,000", "386000") == 1.0 and cover_em("anything", [""]) == 0.0
+    n = normalize_answer
+    assert cover_em("It flows through the Skultae river.", ["Skultae"], n) == 1.0
+    assert cover_em("Gimliora", ["Gimli"], n) == 0.0 and cover_em(None, ["x"], n) == 0.0
+    assert cover_em("about 386,000", "386000", n) == 1.0 and cover_em("anything", [""], n) == 0.0
 
 
 def test_pass_at_k_is_chen_et_al_unbiased_estimator():

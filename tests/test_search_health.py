@@ -2,6 +2,7 @@
 import torch
 
 from plumbing.search_health import answer_in_passages, shared_first_search, unique_queries
+from rollout import normalize_answer
 
 
 def test_shared_first_search_counts_correct_incorrect_pairs_of_a_group():
@@ -27,5 +28,5 @@ def test_answer_in_passages_counts_each_observation_once_by_normalised_whole_wor
         {"golds": ["386,000", ""], "text": obs("about 386000 inhabitants") + "<answer> x </answer>"},  # 1 of 1
         {"golds": ["Velboford"], "text": "<answer> Velboford </answer>"},   # no search: not counted
     ]
-    assert answer_in_passages(episodes) == 2 / 4
-    assert answer_in_passages(episodes[3:]) is None
+    assert answer_in_passages(episodes, normalize_answer) == 2 / 4
+    assert answer_in_passages(episodes[3:], normalize_answer) is None

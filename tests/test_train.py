@@ -148,7 +148,7 @@ def test_token_logprobs_match_a_full_forward():
         logits = model(input_ids=ids, attention_mask=attention).logits.float()
     # Position t scores token t from the logits at t - 1.
     full = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    full_ent = train.entropy_from_logits(logits[:, :-1])
+    full_ent = train.entropy_from_logprobs(torch.log_softmax(logits[:, :-1], -1))
     on = mask[:, 1:].bool()
     assert torch.allclose(logp[:, 1:][on], full[on], atol=1e-5)
     assert torch.allclose(ent[:, 1:][on], full_ent[on], atol=1e-5)
@@ -423,11 +423,11 @@ def test_kill_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
 
 
 def test_flags_presets_and_errors(tmp_path):
-    cfg, plot, _ = cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, ["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
+    cfg, plot, _, _ = cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, ["--preset", "paper", "--lr", "3e-6", "--no-llds", "--answer-weight", "adaptive"])
     assert (cfg.lr, cfg.llds, cfg.prompts_per_step, cfg.mini_batch_size, cfg.kl_coef) == (3e-6, False, 512, 256, 0.001)
     assert cfg.answer_weight == "adaptive" and plot is None
-    assert cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, []) == (train.Config(), None, None)
-    assert cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, ["--plot", "a", "b", "--plot-out", "c.png"])[1:] == (["a", "b"], "c.png")
+    assert cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, []) == (train.Config(), None, None, False)
+    assert cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, ["--plot", "a", "b", "--plot-out", "c.png"])[1:3] == (["a", "b"], "c.png")
     helps = cli.field_help(train.Config)
     assert set(helps) == {f.name for f in dataclasses.fields(train.Config)}
     with pytest.raises(ValueError, match="mini-batch-size 5 must divide"):
@@ -572,7 +572,7 @@ def test_a_retriever_lost_mid_run_ends_in_one_line_naming_the_checkpoint(tmp_pat
         return real_step(step, *args, **kwargs)
 
     monkeypatch.setattr(train, "train_step", retriever_gone)
-    monkeypatch.setattr(train, "parse_train_args", lambda *a: (cfg, None, None))
+    monkeypatch.setattr(train, "parse_train_args", lambda *a: (cfg, None, None, False))
     real_train = train.train
     monkeypatch.setattr(train, "train", lambda c: real_train(c, *tiny_policy()))
     with pytest.raises(SystemExit) as stop:

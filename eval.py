@@ -118,7 +118,7 @@ def with_prompts(records: list[dict], tokenizer, retriever, mode: str, cfg) -> l
     if mode == "direct":
         return [{**r, "prompt_ids": one_turn_prompt(r["question"], tokenizer, cfg.template)} for r in records]
     hits = retriever.search([r["question"] for r in records], cfg.topk)
-    return [{**r, "retrieved": [h["document"]["id"] for h in hs],
+    return [{**r, "retrieved": [h["document"].get("id") for h in hs],   # Search-R1's Pyserini server sends none
              "prompt_ids": one_turn_prompt(r["question"], tokenizer, cfg.template,
                                            _cut(rollout.format_passages(hs), tokenizer, cfg.max_obs_tokens))}
             for r, hs in zip(records, hits)]

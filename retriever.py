@@ -288,10 +288,15 @@ class DenseRetriever:
 class RetrieverClient:
     """Talks to a Search-R1-compatible `POST /retrieve` server; same .search as the local backends."""
 
-    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5):
+    def __init__(self, url: str, timeout: float = 30.0, per_query: float = 0.1, retries: int = 3, backoff: float = 0.5):
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.timeout, self.per_query, self.retries, self.backoff = timeout, per_query, retries, backoff
+
+    def timeout_for(self, n_queries: int) -> float:
+        """Seconds one POST may take: timeout + per_query x queries (a 512-query evaluation request
+        of a dense server on a CPU takes far longer than one query)."""
+        return self.timeout + self.per_query * n_queries
 
     def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
         check_queries(queries, topk)
@@ -307,7 +312,7 @@ class RetrieverClient:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                r = requests.post(self.url, json=body, timeout=self.timeout)
+                r = requests.post(self.url, json=body, timeout=self.timeout_for(len(queries)))
             except requests.RequestException as e:
                 failure = f"{type(e).__name__}: {e}"
                 continue
@@ -369,7 +374,7 @@ def _cmd_index(args):
 
 
 def _cmd_search(args):
-    retriever = RetrieverClient(args.url) if args.url else _local_retriever(args)
+    retriever = RetrieverClient(args.url, timeout=args.timeout) if args.url else _local_retriever(args)
     print(f"query: {args.query}")
     for rank, hit in enumerate(retriever.search([args.query], args.topk)[0], start=1):
         text = " ".join(hit["document"]["contents"].split())
@@ -403,6 +408,8 @@ def parser() -> OneLineParser:
     sp.add_argument("--encoder", default=None, type=ranged("text", str), help="dense only: local encoder folder")
     sp.add_argument("--url", default=None, type=ranged("text", str), help="ask this server instead, e.g. http://127.0.0.1:8000")
     sp.add_argument("--topk", type=ranged(">= 1"), default=3, help="hits to print")
+    sp.add_argument("--timeout", type=ranged("> 0", float), default=30.0,
+                    help="with --url: seconds a request may take, plus 0.1 s per query")
     sp.set_defaults(fn=_cmd_search)
 
     server.add_serve_command(sub, local_args, _local_retriever)

@@ -571,3 +571,28 @@ def test_cli_serve_starts_a_real_server(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_client_timeout_scales_with_the_queries_of_a_request(flaky, monkeypatch):
+    flaky.failures = 0
+    sent = []
+    real = R.requests.post
+    monkeypatch.setattr(R.requests, "post", lambda *a, **kw: sent.append(kw["timeout"]) or real(*a, **kw))
+    client = R.RetrieverClient(f"http://127.0.0.1:{flaky.server_address[1]}", timeout=5.0, per_query=0.5)
+    client.search(["q"] * 600, 1)                      # two POSTs: 512 and 88 queries
+    assert sent == [5.0 + 0.5 * 512, 5.0 + 0.5 * 88]
+
+
+def test_rag_prompts_take_hits_without_a_document_id():
+    import eval as ev
+
+    class NoIds:                                       # Search-R1's Pyserini server sends no "id"
+        def search(self, queries, topk):
+            return [[{"document": {"contents": '"Berlin"\nBerlin is the capital.'}}] for _ in queries]
+
+    from plumbing.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    records = ev.with_prompts([{"id": "q", "question": "Capital?", "golds": ["Berlin"], "data_source": "nq"}],
+                              tok, NoIds(), "rag", ev.EVAL)
+    assert records[0]["retrieved"] == [None] and "Berlin is the capital." in tok.decode(records[0]["prompt_ids"])

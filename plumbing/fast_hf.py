@@ -14,6 +14,8 @@ the same math with other rounding, said where it is so:
 * `KVBatch`, `StopChecker`: rollout.py's batch of episodes sharing one KV cache with holes,
   and its per-row stop check that decodes only when a token could close a tag.
 """
+import weakref
+
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
@@ -323,6 +325,20 @@ class KVBatch:
         self.mask = self.mask[index]
 
 
+_CLOSING = weakref.WeakKeyDictionary()       # tokenizer -> {vocab: mask}: built once, not per rollout batch
+
+
+def closing_tokens(tokenizer, vocab: int) -> torch.Tensor:
+    """(vocab,) bool: the tokens whose text contains '>' (convert_ids_to_tokens over the whole
+    vocabulary: 151,665 ids for Qwen, so once per tokenizer, not once per rollout batch)."""
+    masks = _CLOSING.setdefault(tokenizer, {})
+    if vocab not in masks:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
+        masks[vocab] = torch.zeros(vocab, dtype=torch.bool)
+        masks[vocab][[i for i, p in enumerate(pieces) if p and ">" in p]] = True
+    return masks[vocab]
+
+
 class StopChecker:
     """Per-row stopping: EOS ids, and any of `stop_strings` in the turn's decoded text.
 
@@ -336,10 +352,7 @@ class StopChecker:
         ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         self.eos = torch.zeros(vocab, dtype=torch.bool)
         self.eos[[i for i in ids if i is not None and i < vocab]] = True
-        pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
-        self.closes = torch.zeros(vocab, dtype=torch.bool)
-        self.closes[[i for i, p in enumerate(pieces) if p and ">" in p]] = True
-        self.eos, self.closes = self.eos.to(device), self.closes.to(device)
+        self.eos, self.closes = self.eos.to(device), closing_tokens(tokenizer, vocab).to(device)
         self.tokenizer, self.stop_strings = tokenizer, stop_strings
 
     def tag_closed(self, turn_ids: list[int]) -> bool:

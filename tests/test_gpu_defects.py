@@ -61,3 +61,14 @@ def test_cuda_runs_get_expandable_segments_unless_the_user_set_the_allocator(mon
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     runs.pick_device("cpu")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_the_closing_tag_mask_is_built_once_per_tokenizer(monkeypatch):
+    tok = models.byte_tokenizer()
+    calls = []
+    real = tok.convert_ids_to_tokens
+    monkeypatch.setattr(tok, "convert_ids_to_tokens", lambda ids: calls.append(len(ids)) or real(ids))
+    first = fast_hf.closing_tokens(tok, len(tok))
+    again = fast_hf.closing_tokens(tok, len(tok))
+    assert calls == [len(tok)] and again is first                     # P5: not once per rollout batch
+    assert first[tok.convert_tokens_to_ids(">")] and not first[tok.convert_tokens_to_ids("a")]

@@ -252,7 +252,8 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
     """<run>/ckpt-<step>/: HF model + tokenizer, optimizer, RNG states, state.json (step, data
     position, counters, monitor history). Written into a temp folder and renamed, then the
-    `latest` pointer is replaced: a kill at any moment leaves the previous checkpoint intact."""
+    `latest` pointer is replaced: a kill at any moment leaves the previous checkpoint intact.
+    The `keep` - 1 older checkpoints lose their optimizer state (2/3 of a checkpoint's size)."""
     final = run_dir / f"ckpt-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=run_dir))
     try:
@@ -268,8 +269,11 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _write_atomic(run_dir / "latest", final.name)
-    for old in sorted(run_dir.glob("ckpt-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+    kept = sorted(run_dir.glob("ckpt-*"), key=lambda p: int(p.name.split("-")[1]))
+    for old in kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for older in kept[-keep:-1]:          # only the newest resumes: the older keep their weights, not 8 bytes a parameter
+        (older / "optimizer.pt").unlink(missing_ok=True)
     return final
 
 

@@ -72,3 +72,15 @@ def test_the_closing_tag_mask_is_built_once_per_tokenizer(monkeypatch):
     again = fast_hf.closing_tokens(tok, len(tok))
     assert calls == [len(tok)] and again is first                     # P5: not once per rollout batch
     assert first[tok.convert_tokens_to_ids(">")] and not first[tok.convert_tokens_to_ids("a")]
+
+
+def test_only_the_newest_checkpoint_keeps_the_optimizer_state(tmp_path):
+    from conftest import tiny_policy
+
+    model, tokenizer = tiny_policy()
+    optimizer = runs.adamw(model.parameters(), 1e-3, 0.0, torch.device("cpu"))
+    for step in (1, 2, 3):
+        runs.save_checkpoint(tmp_path, step, model, tokenizer, optimizer, state={}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-2", "ckpt-3"]
+    assert (tmp_path / "ckpt-3" / "optimizer.pt").exists() and not (tmp_path / "ckpt-2" / "optimizer.pt").exists()
+    assert (tmp_path / "ckpt-2" / "config.json").exists() and runs.find_checkpoint(tmp_path).name == "ckpt-3"

@@ -121,13 +121,23 @@ def test_tensorboard_and_wandb_hold_the_numbers_of_metrics_jsonl(tmp_path, alter
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("tensorboard"), reason="make test installs tensorboard")
-def test_a_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path, alternating_rewards):
+def test_a_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path, alternating_rewards, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    model, tokenizer = tiny_policy()
-    train.train(tiny_config(tmp_path, report_to="tensorboard"), model, tokenizer)
+    from plumbing import runs
+
+    save = runs.save_checkpoint
+
+    def killed_at_step_2(run_dir, step, *args, **kwargs):   # killed after logging step 2, before its checkpoint
+        if step == 2:
+            raise KeyboardInterrupt
+        return save(run_dir, step, *args, **kwargs)
+
+    monkeypatch.setattr(runs, "save_checkpoint", killed_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny_config(tmp_path, report_to="tensorboard"), *tiny_policy())
+    monkeypatch.setattr(runs, "save_checkpoint", save)
     run = tmp_path / "run"
-    (run / "latest").write_text("ckpt-1")              # killed after logging step 2, before its checkpoint
     train.train(tiny_config(tmp_path, report_to="tensorboard", resume=True), *tiny_policy())
     acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
     acc.Reload()

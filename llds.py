@@ -117,15 +117,6 @@ def _gate(gate, d, valid, preserving, starts):
     return on[ids], on.sum()
 
 
-def penalised_tokens(logp, old_logp, advantages, loss_mask, gate="action"):
-    """(B, T) bool: the tokens llds_loss would penalise at `logp` (model tokens of preserving
-    responses whose gate is open and whose log-prob fell); for looking, e.g. train.py's token view."""
-    valid = loss_mask > 0
-    d = torch.where(valid, old_logp.detach().float() - logp.detach().float(), 0.0)
-    open_, _ = _gate(gate, d, valid, preserving_responses(advantages, loss_mask), _run_starts(valid))
-    return open_ & (d > 0)
-
-
 def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
               answer_mask=None, answer_weight=1.0, reduction="token-mean"):
     """LLDS penalty (without lambda; the caller adds `lam * loss`).

@@ -38,7 +38,7 @@ import data
 import retriever as retrieval
 import rollout
 from eval import heldout_eval
-from llds import GATES, REDUCTIONS, action_ids, llds_loss, penalised_tokens, preserving_responses
+from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
 from plumbing import dynamic_sampling, fast_hf, memory_plan, report, runs, token_view
 from plumbing.cli import check_config, parse_train_args, shared_fields
 from plumbing.models import load_policy, place_for_training, reference_copy
@@ -356,10 +356,8 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
         metrics.update(lld)
     if view:    # where the likelihood fell, token by token: <run>/views/ (plumbing/token_view.py)
         with phases("view", release=False):
-            llds_on = penalised_tokens(batch["old_logp"] + change, batch["old_logp"], batch["advantages"],
-                                       batch["loss_mask"], cfg.llds_gate)                # at the step's end
             token_view.write_step_view(run_dir, step, tokenizer, out, batch, change, group_ids, records,
-                                       action_ids(batch["loss_mask"]), llds_on)
+                                       action_ids(batch["loss_mask"]), functools.partial(llds_loss, gate=cfg.llds_gate))
     metrics.update(phases.timing(out.timing, out.n_generated))      # timing/*, rollout_tokens_per_s
     runs.write_samples(run_dir / "samples" / f"step_{step:04d}.txt", records, out.episodes, cfg.samples_per_step)
     return metrics

@@ -15,13 +15,20 @@ anything: each module says what it speeds up or takes care of.
     runs.py       run folders: what train.py's setup() returns (Run), the device, the run's start,
                   checkpoints and RNG state, the model folder eval.py finds in a run, metrics log,
                   samples, prompt sampler, a micro-batch's rows, phase timing and what the progress
-                  bar says of it, the spiral monitor's warnings and shared-first-search count, the
-                  step's micro-batch means, a user error's one-line exit
+                  bar says of it, the spiral monitor's warnings, the step's mini- and micro-batches
+                  and their means, AdamW as each device wants it, a user error's one-line exit
+    search_health.py  per-step health of search and groups: answer in passages, unique queries,
+                  tied groups, correct/incorrect pairs sharing the first search
+    token_view.py the token-level view of a step (views/*.html, *.jsonl) and its index page
+    dynamic_sampling.py  --drop-tied-groups: tied groups' prompts redrawn and their rows swapped in
+    scores.py     cover-EM, pass@k, avg@k / pass@k with bootstrap intervals
+    memory_plan.py  --plan: what a run will hold in memory, from the model's config
     report.py     a train.py run's log files (config.json, machine.json, metrics.jsonl); --report-to:
                   metrics.jsonl's numbers also sent to TensorBoard and/or W&B
     plots.py      training curves of one run, or several overlaid
-    cli.py        a config dataclass -> argparse flags whose --help is the field comments; the
-                  fields two config classes share
+    cli.py        a config dataclass -> argparse flags whose --help is the field comments and
+                  whose values are held to each field's declared range; the fields two config
+                  classes share; one-line parser errors
     corpus.py     reading and fingerprinting a corpus file, index metadata
     server.py     the hardened HTTP server behind `retriever.py serve`, and the query rules
                   every retriever backend shares

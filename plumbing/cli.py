@@ -31,8 +31,16 @@ _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operato
 
 
 def field_ranges(config_class) -> dict[str, str]:
-    """{field: its declared range} for every field whose comment ends in one, e.g. "[>= 1]" -> ">= 1"."""
-    return {name: m.group(1).strip() for name, text in field_help(config_class).items() if (m := RANGE.search(text))}
+    """{field: its declared range}, e.g. "[>= 1]" -> ">= 1", for every field but the booleans; a
+    field without one is a programming error (TypeError), so none can be added without a range."""
+    helps, types, ranges = field_help(config_class), typing.get_type_hints(config_class), {}
+    for f in dataclasses.fields(config_class):
+        if types[f.name] is bool:
+            continue
+        if (m := RANGE.search(helps.get(f.name, ""))) is None:
+            raise TypeError(f"{config_class.__name__}.{f.name} declares no range: end its comment with [...]")
+        ranges[f.name] = m.group(1).strip()
+    return ranges
 
 
 def _accepts(spec: str, choices) -> str:
@@ -44,7 +52,7 @@ def _accepts(spec: str, choices) -> str:
 
 def in_range(value, spec: str, choices=()) -> bool:
     """Whether `value` lies in the declared range `spec` (the module docstring lists the forms)."""
-    if spec in ("any",) or isinstance(value, bool):
+    if spec == "any":
         return True
     if spec == "choice":
         return value in choices
@@ -62,16 +70,12 @@ def in_range(value, spec: str, choices=()) -> bool:
 
 def check_ranges(cfg, choices: dict | None = None) -> None:
     """Every field of the dataclass `cfg` inside its declared range, else ValueError naming the flag
-    and what it accepts. A non-boolean field without a declared range is a programming error."""
-    choices, ranges = choices or {}, field_ranges(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            continue
-        if f.name not in ranges:
-            raise TypeError(f"{type(cfg).__name__}.{f.name} declares no range: end its comment with [...]")
-        if not in_range(value, ranges[f.name], choices.get(f.name, ())):
-            raise ValueError(f"{flag} must be {_accepts(ranges[f.name], choices.get(f.name, ()))}, not {value!r}")
+    and what it accepts (field_ranges: a non-boolean field without one is a TypeError)."""
+    choices = choices or {}
+    for name, spec in field_ranges(type(cfg)).items():
+        if not in_range(getattr(cfg, name), spec, choices.get(name, ())):
+            raise ValueError(f"--{name.replace('_', '-')} must be {_accepts(spec, choices.get(name, ()))}, "
+                             f"not {getattr(cfg, name)!r}")
 
 
 def ranged(spec: str, kind=int, choices=()):
@@ -108,8 +112,6 @@ def add_config_flags(parser: argparse.ArgumentParser, config_class, defaults=Non
         if kind is bool:
             parser.add_argument(flag, default=argparse.SUPPRESS, help=text, action=argparse.BooleanOptionalAction)
             continue
-        if f.name not in ranges:
-            raise TypeError(f"{config_class.__name__}.{f.name} declares no range: end its comment with [...]")
         metavar = "{" + ",".join(choices[f.name]) + "}" if f.name in choices else kind.__name__.upper()
         parser.add_argument(flag, default=argparse.SUPPRESS, help=text, metavar=metavar,
                             type=ranged(ranges[f.name], kind, choices.get(f.name, ())))

@@ -21,7 +21,8 @@ import torch
 _OBSERVATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 
 
-def _first_query(episode: dict) -> str | None:
+def first_query(episode: dict) -> str | None:
+    """The episode's first search query, lower-cased, whitespace collapsed; None without one."""
     return " ".join(episode["queries"][0].lower().split()) if episode["queries"] else None
 
 
@@ -33,7 +34,7 @@ def shared_first_search(episodes: list[dict], correct: torch.Tensor, group_ids: 
     # (linear in N; the pairs themselves are N^2: 6.5 M at the paper's 2,560 episodes a step)
     counts = collections.defaultdict(lambda: [collections.Counter(), collections.Counter()])
     for e, c, g in zip(episodes, correct.tolist(), group_ids.tolist()):
-        counts[g][0 if c else 1][_first_query(e)] += 1
+        counts[g][0 if c else 1][first_query(e)] += 1
     pairs = sum(sum(right.values()) * sum(wrong.values()) for right, wrong in counts.values())
     shared = sum(n * wrong[q] for right, wrong in counts.values() for q, n in right.items() if q is not None)
     return shared / pairs if pairs else None
@@ -51,7 +52,7 @@ def answer_in_passages(episodes: list[dict], normalize) -> float | None:
 
 def unique_queries(episodes: list[dict], group_ids: torch.Tensor) -> float:
     """Distinct first queries per group (None, no search, is one kind), averaged over groups."""
-    first = [_first_query(e) for e in episodes]
+    first = [first_query(e) for e in episodes]
     return statistics.fmean(len({first[i] for i in torch.nonzero(group_ids == g).flatten().tolist()})
                             for g in group_ids.unique())
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from plumbing.search_health import first_query
+
 STYLE = """<style>
 body { font: 14px/1.5 system-ui, sans-serif; margin: 2em; max-width: 75em; }
 .group { border-top: 2px solid #444; margin-top: 1.5em; }
@@ -35,13 +37,24 @@ body { font: 14px/1.5 system-ui, sans-serif; margin: 2em; max-width: 75em; }
 </style>"""
 
 
+def penalised_tokens(llds_loss, after: torch.Tensor, before: torch.Tensor, advantages, loss_mask) -> torch.Tensor:
+    """(N, T) bool: the tokens LLDS penalises at `after`: exactly those its loss has a gradient on
+    (llds_loss: llds.llds_loss with the run's gate), so the gate is defined in llds.py alone."""
+    with torch.enable_grad():
+        logp = after.detach().clone().requires_grad_(True)
+        llds_loss(logp, before, advantages, loss_mask)[0].backward()
+    return logp.grad != 0
+
+
 def response_rows(tokenizer, out, batch, change: torch.Tensor, group_ids: torch.Tensor, records: list[dict],
-                  actions: torch.Tensor, llds_on: torch.Tensor) -> list[dict]:
+                  actions: torch.Tensor, llds_loss) -> list[dict]:
     """The step's responses as JSON-ready dicts (module docstring). change: (N, T) float, after - before
-    on model tokens (0 elsewhere); actions: (N, T) long, 1..K per model turn (llds.action_ids); llds_on:
-    (N, T) bool (llds.penalised_tokens); out: the rollout; batch: train.py's (loss_mask, advantages, ...)."""
+    on model tokens (0 elsewhere); actions: (N, T) long, 1..K per model turn (llds.action_ids); llds_loss:
+    llds.llds_loss with the run's gate; out: the rollout; batch: train.py's (loss_mask, advantages, old_logp)."""
     mask = batch["loss_mask"].bool()
-    firsts = [" ".join(e["queries"][0].lower().split()) if e["queries"] else None for e in out.episodes]
+    llds_on = penalised_tokens(llds_loss, batch["old_logp"] + change, batch["old_logp"], batch["advantages"],
+                               batch["loss_mask"])                                       # at the step's end
+    firsts = [first_query(e) for e in out.episodes]
     rows = []
     for i, e in enumerate(out.episodes):
         same_group = torch.nonzero(group_ids == group_ids[i]).flatten().tolist()

@@ -276,15 +276,3 @@ def test_matches_loop_reference_on_random_batches(gate, reduction):
                              reduction)
         assert loss.item() == pytest.approx(float(ref), rel=1e-5, abs=1e-7)
 
-
-def test_penalised_tokens_are_the_falls_inside_open_actions_of_preserving_responses():
-    from llds import penalised_tokens
-    mask = torch.tensor([[1., 1., 0., 1.], [1., 1., 1., 1.]])
-    old = torch.zeros(2, 4)
-    logp = torch.tensor([[-1.0, 0.5, 0.0, -0.2], [-1.0, -1.0, -1.0, -1.0]])
-    # row 0 (A = +1): action 1 = tokens 0-1, net fall 1 - 0.5 > 0: open, token 0 fell; action 2 = token 3 fell.
-    # row 1 (A = -1): not preserving, nothing penalised.
-    got = penalised_tokens(logp, old, torch.tensor([1.0, -1.0]), mask, gate="action")
-    assert got.tolist() == [[True, False, False, True], [False] * 4]
-    # the response gate opens on the whole response's net fall (0.7 > 0): the same tokens here
-    assert penalised_tokens(logp, old, torch.tensor([1.0, -1.0]), mask, gate="response").tolist() == got.tolist()

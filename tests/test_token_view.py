@@ -51,3 +51,23 @@ def test_chromium_draws_what_the_jsonl_says(tmp_path, alternating_rewards):  # n
     assert shown["responses"] == 4 and shown["coloured"] > 0 and shown["grey"] > 0
     screenshot(page, tmp_path / "shot.png", 400, 300)
     assert (tmp_path / "shot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_penalised_tokens_are_the_falls_inside_open_actions_of_preserving_responses():
+    from functools import partial
+
+    import torch
+
+    from llds import llds_loss
+    from plumbing.token_view import penalised_tokens
+
+    mask = torch.tensor([[1., 1., 0., 1.], [1., 1., 1., 1.]])
+    old = torch.zeros(2, 4)
+    logp = torch.tensor([[-1.0, 0.5, 0.0, -0.2], [-1.0, -1.0, -1.0, -1.0]])
+    # row 0 (A = +1): action 1 = tokens 0-1, net fall 1 - 0.5 > 0: open, token 0 fell; action 2 = token 3 fell.
+    # row 1 (A = -1): not preserving, nothing penalised.
+    got = penalised_tokens(partial(llds_loss, gate="action"), logp, old, torch.tensor([1.0, -1.0]), mask)
+    assert got.tolist() == [[True, False, False, True], [False] * 4]
+    # the response gate opens on the whole response's net fall (0.7 > 0): the same tokens here
+    response = penalised_tokens(partial(llds_loss, gate="response"), logp, old, torch.tensor([1.0, -1.0]), mask)
+    assert response.tolist() == got.tolist()

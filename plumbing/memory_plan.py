@@ -109,13 +109,13 @@ def too_big(rows: dict[str, float], available: int) -> str | None:
 def for_run(cfg, device, model=None) -> tuple[dict, Shape, int, str]:
     """The plan of a train.py config on `device` (torch.device): (rows, shape, device bytes, where)."""
     from plumbing import fast_hf
-    from plumbing.models import embedded_smollm2
+    from plumbing.models import embedded_smollm2, not_a_model_folder
 
     path = cfg.model or str(embedded_smollm2())
     if model is not None:
         config = model.config
-    elif path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
-        raise ValueError(f"--model {path}: no such folder")
+    elif why := not_a_model_folder(path):
+        raise ValueError(why)
     else:
         from transformers import AutoConfig
         try:

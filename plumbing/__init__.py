@@ -29,9 +29,12 @@ anything: each module says what it speeds up or takes care of.
     cli.py        a config dataclass -> argparse flags whose --help is the field comments and
                   whose values are held to each field's declared range; the fields two config
                   classes share; one-line parser errors
-    corpus.py     reading and fingerprinting a corpus file, index metadata
-    server.py     the hardened HTTP server behind `retriever.py serve`, and the query rules
-                  every retriever backend shares
+    corpus.py     a corpus file memory-mapped (parsed once), its fingerprint, index metadata
+    bm25_index.py BM25's index built a chunk of passages at a time, and its search over postings
+    dense_index.py  faiss indexes filled as passages are encoded, read memory-mapped, moved to a
+                  GPU; an encoder folder's pooling and prompts
+    server.py     the hardened HTTP server behind `retriever.py serve` (concurrent requests
+                  batched into one search), and the query rules every retriever backend shares
     reports.py    eval.py's tables and output files
     long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load, or
                   refused by rollout()

@@ -3,12 +3,21 @@
 original Search-R1 trainer sends (an empty batch, empty queries, a whole turn in one POST, topk
 missing, null or 0), rejects anything else with a JSON 4xx that says what is wrong, caps the body
 size by the largest valid request, drops clients that stall mid-request, answers backend failures
-with a 500 instead of dying, and serves many clients on threads while searches run one at a time.
+with a 500 instead of dying, and serves many clients on threads.
+
+Searches are batched: one worker thread runs them all, and the requests that arrive while it is
+busy (or within --batch-window-ms of the first) share one search call, so one encoder pass and one
+index search serve 8 concurrent one-query clients instead of 8 passes queued behind a lock. A
+merged call that fails is retried request by request, so only the request that breaks the backend
+gets its 500. The backend itself needs no thread safety; BM25 spreads a batch over its own threads.
 The query rules (`check_queries`, MAX_QUERY_CHARS) live here and retriever.py's in-process
 backends apply the same ones, so a rollout that works in-process works over HTTP.
 """
 import json
+import queue
 import threading
+import time
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from plumbing.cli import ranged
@@ -19,6 +28,7 @@ MAX_QUERIES = 4096  # default --max-queries; Search-R1 posts a whole turn: 512 p
 MAX_TOPK = 100
 DEFAULT_TOPK = 3  # default --topk, used when a request has no topk (Search-R1's retrieval_topk)
 READ_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after this long
+BATCH_WINDOW_MS = 2.0  # default --batch-window-ms: how long the first request of a batch waits for others
 
 
 def check_queries(queries, topk) -> None:
@@ -125,8 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(e.status, {"error": str(e)})
             return
         try:
-            with self.server.lock:
-                result = self.server.retriever.search(queries, topk)
+            result = self.server.batcher.search(queries, topk)
         except Exception as e:  # a backend bug must not kill the server; the client retries 5xx
             self._send(500, {"error": f"search failed: {type(e).__name__}: {e}"})
             return
@@ -179,11 +188,12 @@ def check_server_flags(max_queries: int, topk: int) -> None:
 
 
 def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, read_timeout: float = READ_TIMEOUT_S,
-                max_queries: int = MAX_QUERIES, topk: int = DEFAULT_TOPK) -> ThreadingHTTPServer:
+                max_queries: int = MAX_QUERIES, topk: int = DEFAULT_TOPK,
+                batch_window_ms: float = BATCH_WINDOW_MS) -> ThreadingHTTPServer:
     """A threaded server over `retriever`; port 0 picks a free one (see .server_address).
 
-    max_queries caps the queries per request (and so the body size); topk is used for requests
-    that send none.
+    max_queries caps the queries per request (and so the body size, and the queries merged into
+    one search); topk is used for requests that send none.
     """
     check_server_flags(max_queries, topk)
     server = ThreadingHTTPServer((host, port), _Handler)
@@ -192,22 +202,63 @@ def make_server(retriever, host: str = "127.0.0.1", port: int = 8000, read_timeo
     server.read_timeout = read_timeout
     server.max_queries, server.default_topk = max_queries, topk
     server.max_body_bytes = max_body_bytes(max_queries)
-    # Searches are CPU-bound and torch/numpy already use every core: serialising them costs
-    # nothing in throughput and keeps backends that were never meant to be thread-safe safe.
-    server.lock = threading.Lock()
+    server.batcher = Batcher(retriever, batch_window_ms / 1000, max_queries)
     return server
 
 
+class Batcher:
+    """Runs every search on one thread; requests waiting together (same topk) share one search call."""
 
-def serve(open_backend, host: str, port: int, max_queries: int, topk: int) -> None:
+    def __init__(self, retriever, window_s: float = BATCH_WINDOW_MS / 1000, max_queries: int = MAX_QUERIES):
+        self.retriever, self.window_s, self.max_queries = retriever, window_s, max_queries
+        self.waiting = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="search-batcher").start()
+
+    def search(self, queries: list[str], topk: int) -> list:
+        """What retriever.search(queries, topk) returns, run on the batcher's thread (blocks)."""
+        request = (queries, topk, Future())
+        self.waiting.put(request)
+        return request[2].result()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.waiting.get()]
+            deadline, n = time.monotonic() + self.window_s, len(batch[0][0])
+            while n < self.max_queries:  # take what waits now, and what comes within the window
+                try:
+                    request = self.waiting.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                batch.append(request)
+                n += len(request[0])
+            for topk in dict.fromkeys(r[1] for r in batch):  # one search per topk, in arrival order
+                self._search_together([r for r in batch if r[1] == topk], topk)
+
+    def _search_together(self, requests: list, topk: int) -> None:
+        try:
+            results = self.retriever.search([q for r in requests for q in r[0]], topk)
+        except Exception as e:  # the handler answers it with a 500
+            if len(requests) == 1:
+                requests[0][2].set_exception(e)
+                return
+            for r in requests:  # find the request that breaks the backend: the others still get answers
+                self._search_together([r], topk)
+            return
+        for queries, _, future in requests:
+            future.set_result(results[:len(queries)])
+            results = results[len(queries):]
+
+
+def serve(open_backend, host: str, port: int, max_queries: int, topk: int,
+          batch_window_ms: float = BATCH_WINDOW_MS) -> None:
     """Check the flags, then open the backend (`open_backend()`, maybe a long index build) and
     serve it until Ctrl-C."""
     check_server_flags(max_queries, topk)
     retriever = open_backend()
-    server = make_server(retriever, host, port, max_queries=max_queries, topk=topk)
+    server = make_server(retriever, host, port, max_queries=max_queries, topk=topk, batch_window_ms=batch_window_ms)
     host, port = server.server_address[:2]
     print(f"serving {retriever.backend} over {len(retriever.corpus)} passages on "
-          f"http://{host}:{port}/retrieve (GET /health); Ctrl-C stops", flush=True)
+          f"http://{host}:{port}/retrieve (GET /health); Ctrl-C stops; {retriever.settings}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -235,7 +286,10 @@ def add_serve_command(subparsers, local_args, open_local) -> None:
                     help=f"most queries in one request (Search-R1 sends 512 prompts x 5 = 2,560); "
                          f"also sets the body limit ({max_body_bytes(MAX_QUERIES) / 2**20:.0f} MiB at "
                          f"{MAX_QUERIES})")
+    sp.add_argument("--batch-window-ms", type=ranged(">= 0", float), default=BATCH_WINDOW_MS,
+                    help="how long a request waits for others to share its search (concurrent requests "
+                         "that arrive while a search runs are merged anyway)")
 
     def run(args):
-        serve(lambda: open_local(args), args.host, args.port, args.max_queries, args.topk)
+        serve(lambda: open_local(args), args.host, args.port, args.max_queries, args.topk, args.batch_window_ms)
     sp.set_defaults(fn=run)

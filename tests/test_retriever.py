@@ -27,7 +27,7 @@ import torch
 
 import retriever as R
 from plumbing import corpus as corpus_files
-from plumbing import dense_index
+from plumbing import bm25_index, dense_index
 from plumbing.corpus import Corpus
 from plumbing.server import MAX_QUERIES, make_server, max_body_bytes
 
@@ -160,7 +160,9 @@ def test_bm25_ties_follow_corpus_order_and_topk_is_capped_by_corpus_size():
     assert len(r.search(["same"], 50)[0]) == 9
 
 
-def test_bm25_chunked_build_equals_bm25s_and_top_k_equals_a_full_sort_of_its_scores(monkeypatch):
+@pytest.mark.parametrize("ranking", ["postings only", "all scores"])
+def test_bm25_chunked_build_equals_bm25s_and_top_k_equals_a_full_sort_of_its_scores(ranking, monkeypatch):
+    monkeypatch.setattr(bm25_index, "DENSE_FRACTION", 1e9 if ranking == "postings only" else 0.0)
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
     docs = [{"id": str(i), "contents": " ".join(rng.choices(words, k=rng.randint(0, 6)))} for i in range(60)]

@@ -83,13 +83,23 @@ def speed_up_cpu_attention() -> None:
     AttentionInterface.register("sdpa", attention)
 
 
+# Devices whose decode-step attention runs in float32 (speed_up_cpu_attention): their caches keep
+# the float32 keys RoPE gives under autocast, as a bf16 copy would be cast back at every step.
+FLOAT32_ATTENTION = ("cpu",)
+
+
 class GrowingLayer(DynamicLayer):
     """A KV-cache layer that writes new positions into spare room instead of `torch.cat`.
 
     DynamicLayer concatenates, i.e. copies the whole cache at every decode step (on CPU at 16
     rows x 900 tokens: 15 ms per layer and tensor, more than the layer's matmuls). Here the
     buffer keeps `_SPARE` free positions and is only re-allocated when they run out; keys/values
-    are views of it. Row selection (batch_select_indices) makes compact copies, noticed below.
+    are views of it. Row selection (batch_select_indices) replaces the buffers by their kept rows.
+
+    Keys are stored in the values' dtype (the compute dtype) on a GPU: under bf16 autocast over
+    fp32 weights, RoPE (q * cos, cos in the fp32 residual's dtype) turns bf16 keys into fp32, so
+    a plain cache holds fp32 keys beside bf16 values (1.5x the memory), which SDPA casts back to
+    bf16 anyway: the same attention numbers. A CPU (FLOAT32_ATTENTION) keeps them in float32.
     """
 
     _SPARE = 256
@@ -101,9 +111,10 @@ class GrowingLayer(DynamicLayer):
         buffers = getattr(self, "buffers", None)
         if (buffers is None or buffers[0].data_ptr() != self.keys.data_ptr()
                 or buffers[0].shape[0] != key_states.shape[0] or n + new > buffers[0].shape[-2]):
+            key_dtype = key_states.dtype if key_states.device.type in FLOAT32_ATTENTION else value_states.dtype
             buffers = []
-            for old, states in ((self.keys, key_states), (self.values, value_states)):
-                buffer = states.new_empty(*states.shape[:2], n + new + self._SPARE, states.shape[-1])
+            for old, states, dtype in ((self.keys, key_states, key_dtype), (self.values, value_states, None)):
+                buffer = states.new_empty(*states.shape[:2], n + new + self._SPARE, states.shape[-1], dtype=dtype)
                 buffer[:, :, :n] = old[:, :, :n] if n else 0
                 buffers.append(buffer)
             self.buffers = buffers
@@ -111,6 +122,19 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, n:n + new] = states
         self.keys, self.values = (buffer[:, :, :n + new] for buffer in self.buffers)
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices`: each buffer is replaced by its kept rows (spare room included),
+        so the full-batch buffers are freed layer by layer at a turn boundary, not kept beside
+        the copies until each layer's next update (up to ~1.9x the cache for a moment)."""
+        buffers = getattr(self, "buffers", None)
+        if buffers is not None and self.keys.dim() == 4 and buffers[0].data_ptr() == self.keys.data_ptr():
+            n = self.keys.shape[-2]
+            self.buffers = [buffer[indices] for buffer in buffers]
+            self.keys, self.values = (buffer[:, :, :n] for buffer in self.buffers)
+        else:                                          # the keys were replaced by a plain cache method
+            self.buffers = None
+            super().batch_select_indices(indices)
 
 
 class SharedPrefixLayer(GrowingLayer):

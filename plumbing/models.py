@@ -97,16 +97,28 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     return model.eval(), tokenizer
 
 
+def reference_in_bf16(device: torch.device, bf16: bool) -> bool:
+    """Whether the KL reference keeps bf16 weights: on a GPU computing under bf16 autocast (3B in
+    fp32 would be 12 GB more); a CPU keeps its exact fp32 copy, and without autocast (--no-bf16, or
+    a GPU with no bf16 units) bf16 weights would meet fp32 activations."""
+    from plumbing import fast_hf
+    return device.type == "cuda" and bf16 and fast_hf.bf16_supported(device)
+
+
 def reference_copy(model, bf16_weights: bool = False):
-    """A frozen copy of `model` (the KL reference), run exactly as the policy is run, so that on
-    CPU, where it is an exact fp32 copy, KL is exactly 0 until the first update. bf16_weights
-    (CUDA: 3B in fp32 would be 12 GB more) stores the parameters in bf16, which leaves a small KL
-    at step 1 from the bf16 embeddings and norm weights; buffers always stay fp32 (RoPE's
-    inv_freq in bf16 is 0.37% off)."""
+    """A frozen copy of `model` (the KL reference), run exactly as the policy is run, so that KL is
+    exactly 0 until the first update. bf16_weights (reference_in_bf16) stores in bf16 only the
+    weights and biases that only linear layers use, which autocast casts to bf16 for the policy
+    too (the same rounding); embeddings (a tied head's too) and norm weights stay fp32, so the
+    residual stream is fp32 as the policy's (bf16 embeddings would make it bf16: a KL floor at
+    step 0), and so do the buffers (RoPE's inv_freq in bf16 is 0.37% off)."""
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     if bf16_weights:
+        elsewhere = {id(p) for m in ref.modules() if not isinstance(m, torch.nn.Linear)
+                     for p in m.parameters(recurse=False)}
         for p in ref.parameters():
-            p.data = p.data.to(torch.bfloat16)
+            if id(p) not in elsewhere:
+                p.data = p.data.to(torch.bfloat16)
     return ref
 
 

@@ -277,6 +277,33 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state
     return final
 
 
+def export_bf16(folder: Path, model, tokenizer) -> Path:
+    """The model's weights alone, in bf16, as an HF folder whose config says bfloat16 (eval.py
+    --model, or any tool's from_pretrained): 2 bytes a parameter where a checkpoint holds 12 (fp32
+    weights and AdamW's moments). Copied to the CPU tensor by tensor; tied weights stay one tensor;
+    written into a temp folder and renamed, as checkpoints are."""
+    copies, state = {}, {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in copies:
+            copies[key] = tensor.to(device="cpu", dtype=torch.bfloat16)
+        state[name] = copies[key]
+    folder = Path(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-bf16-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        _write_atomic(tmp / "config.json", json.dumps({**config, "dtype": "bfloat16"}, indent=2) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore weights, optimizer and RNG states in place; returns state.json."""
     saved = type(model).from_pretrained(path, dtype=torch.float32)

@@ -4,11 +4,13 @@ import os
 import random
 import re
 
+import pytest
 import torch
 
 from plumbing import fast_hf, models, runs
 from plumbing.search_health import shared_first_search
 from plumbing.tokens import answer_token_span
+from conftest import tiny_policy
 from test_sft import tiny_lab_model
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -84,3 +86,109 @@ def test_only_the_newest_checkpoint_keeps_the_optimizer_state(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-2", "ckpt-3"]
     assert (tmp_path / "ckpt-3" / "optimizer.pt").exists() and not (tmp_path / "ckpt-2" / "optimizer.pt").exists()
     assert (tmp_path / "ckpt-2" / "config.json").exists() and runs.find_checkpoint(tmp_path).name == "ckpt-3"
+
+
+def tiny_kv_run(model):
+    """A KVBatch under CPU bf16 autocast: prefill (a shared prefix, then each row's rest), a chunk
+    of several tokens per row, a turn end keeping rows 0 and 2, one decode step -> (kv, logits)."""
+    prompts = [list(range(1, 30)) + [40 + k] * (k + 1) for k in range(3)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        kv = fast_hf.KVBatch(model, 0)
+        logits = [kv.start(prompts), kv.feed_padded([[1, 2, 3], [4], [5, 6]])]
+        kv.keep_rows([0, 2])
+        logits.append(kv.feed(torch.tensor([[8], [9]]), torch.ones(2, 1, dtype=torch.long)))
+    return kv, logits
+
+
+def test_kv_keys_are_stored_in_the_compute_dtype_where_attention_runs_in_it(monkeypatch):
+    # D1: under bf16 autocast over fp32 weights RoPE leaves the keys fp32 (q * cos, cos in the fp32
+    # residual's dtype) beside bf16 values: 1.5x the KV memory on a GPU, whose SDPA casts them to bf16
+    # anyway. A CPU's decode attention runs in float32, so its cache keeps them (its numbers unchanged).
+    fast_hf.speed_up_cpu_attention()
+    model, _ = tiny_policy(hidden_size=64, intermediate_size=128)
+    cpu, cpu_logits = tiny_kv_run(model)
+    layer = cpu.cache.layers[0]
+    assert type(layer) is fast_hf.SharedPrefixLayer
+    assert (layer.prefix[0].dtype, layer.keys.dtype, layer.values.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+    monkeypatch.setattr(fast_hf, "FLOAT32_ATTENTION", ())             # as on a GPU
+    gpu, gpu_logits = tiny_kv_run(model)
+    for layer in gpu.cache.layers:
+        assert {layer.prefix[0].dtype, layer.keys.dtype, layer.values.dtype, *(b.dtype for b in layer.buffers)} \
+            == {torch.bfloat16}
+    # chunks of several tokens run SDPA under autocast, which casts fp32 keys to bf16 itself: the same logits
+    assert torch.equal(gpu_logits[0], cpu_logits[0]) and torch.equal(gpu_logits[1], cpu_logits[1])
+
+
+def test_a_turn_end_frees_the_full_batch_buffers_layer_by_layer():
+    # D2: keep_rows used to make compact copies while every layer's full-batch buffers stayed alive
+    # until its next update (up to ~1.9x the cache at each turn end); now each buffer is replaced by
+    # its kept rows, spare room included, so the next step writes in place.
+    import weakref
+    fast_hf.speed_up_cpu_attention()
+    model, _ = tiny_policy(hidden_size=64, intermediate_size=128)
+    with torch.no_grad():
+        kv = fast_hf.KVBatch(model, 0)
+        kv.start([[1, 2, 3, 4, 5, 6, 7, 8, 9, k] for k in range(3)])
+        kv.feed(torch.tensor([[3], [4], [5]]), torch.ones(3, 1, dtype=torch.long))
+        old = [weakref.ref(b) for layer in kv.cache.layers for b in layer.buffers]
+        capacity = kv.cache.layers[0].buffers[0].shape[-2]
+        kept = [layer.keys[[0, 2]].clone() for layer in kv.cache.layers]
+        kv.keep_rows([0, 2])
+        assert all(ref() is None for ref in old)                       # freed, not kept beside the copies
+        for layer, keys in zip(kv.cache.layers, kept):
+            assert [b.shape[0] for b in layer.buffers] == [2, 2] and layer.buffers[0].shape[-2] == capacity
+            assert torch.equal(layer.keys, keys) and layer.keys.data_ptr() == layer.buffers[0].data_ptr()
+        kv.feed(torch.tensor([[8], [9]]), torch.ones(2, 1, dtype=torch.long))
+        assert kv.cache.layers[0].buffers[0].shape[-2] == capacity    # written into the spare room
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_bf16_reference_gives_kl_exactly_0_at_equal_weights(tied):
+    # S2: a bf16 reference ran a bf16 residual stream (bf16 embeddings) against the policy's fp32 one,
+    # so the logged KL started above 0. Now only weights that only linear layers use are bf16 (autocast
+    # rounds the policy's the same way): the reference's log-probs equal the update pass's bit for bit.
+    import train
+
+    model, _ = tiny_policy(hidden_size=64, intermediate_size=128, tie_word_embeddings=tied)
+    ref = models.reference_copy(model, bf16_weights=True)
+    bf16 = {n for n, p in ref.named_parameters() if p.dtype == torch.bfloat16}
+    assert bf16 and all(".mlp." in n or ".self_attn." in n or n == "lm_head.weight" for n in bf16)
+    assert ref.get_input_embeddings().weight.dtype == torch.float32 and ("lm_head.weight" in bf16) == (not tied)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 250, (3, 40))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 30:] = 0
+    loss_mask = attention_mask.float()
+    loss_mask[:, :10] = 0
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = train.token_logprobs(model, ids, attention_mask, loss_mask, 1.0, False)[0]     # the update pass
+        with torch.no_grad():
+            ref_logp = train.token_logprobs(ref, ids, attention_mask, loss_mask, 1.0, False)[0]
+    assert torch.equal(logp.detach(), ref_logp) and train.masked_mean(train.kl_k3(logp, ref_logp), loss_mask) == 0
+
+
+def test_the_reference_is_bf16_only_on_a_gpu_computing_in_bf16(monkeypatch):
+    monkeypatch.setattr(fast_hf, "bf16_supported", lambda device: device.type == "cuda")
+    assert models.reference_in_bf16(torch.device("cuda"), True)
+    assert not models.reference_in_bf16(torch.device("cuda"), False)     # --no-bf16: fp32 activations
+    assert not models.reference_in_bf16(torch.device("cpu"), True)       # a CPU keeps its exact fp32 copy
+    monkeypatch.setattr(fast_hf, "bf16_supported", lambda device: False)  # a V100: no autocast, so no bf16 weights
+    assert not models.reference_in_bf16(torch.device("cuda"), True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_bf16_export_is_an_hf_folder_of_the_rounded_weights(tmp_path, tied):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = tiny_policy(tie_word_embeddings=tied)
+    folder = runs.export_bf16(tmp_path / "model-bf16", model, tokenizer)
+    auto = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")   # what other tools do: config says bf16
+    loaded, tok = models.load_policy(str(folder), dtype=torch.bfloat16)  # what eval.py does
+    assert auto.dtype == loaded.dtype == torch.bfloat16 and tok("ab")["input_ids"] == tokenizer("ab")["input_ids"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16)), name
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    params = sum(p.numel() for p in model.parameters())                  # tied weights counted once
+    assert 2 * params <= size < 2 * params + 100_000                      # 2 bytes a parameter, plus the header
+    assert not list(tmp_path.glob(".tmp-*"))

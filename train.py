@@ -39,9 +39,9 @@ import retriever as retrieval
 import rollout
 from eval import heldout_eval
 from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
-from plumbing import dynamic_sampling, fast_hf, memory_plan, report, runs, token_view
+from plumbing import dynamic_sampling, fast_hf, memory_plan, presets, report, runs, token_view
 from plumbing.cli import check_config, parse_train_args, shared_fields
-from plumbing.models import load_policy, place_for_training, reference_copy
+from plumbing.models import load_policy, place_for_training, reference_copy, reference_in_bf16
 from plumbing.memory import peak_memory_gb
 from plumbing.plots import plot_runs
 from plumbing.runs import micro_batch, shuffle_into_minibatches
@@ -106,17 +106,13 @@ class Config:
     device: str = "auto"               # auto (cuda if available), cuda or cpu [choice]
     bf16: bool = True                  # bf16 autocast (fp32 weights) where the device supports it
     grad_checkpointing: bool = False   # recompute activations in backward (GPU memory for long contexts)
+    save_bf16: bool = False            # at the end also write <run>/model-bf16: the weights alone in bf16, an HF folder for eval.py
     report_to: str = "none"            # metrics.jsonl also goes to: none, tensorboard, wandb or tensorboard,wandb (TRL's report_to) [any]
 
 
-# The paper's settings (Qwen2.5-3B, NQ+HotpotQA, E5 retriever server; section 4 of the LLDS paper).
-PRESETS = {"paper": dict(
-    model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
-    eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve", template="search-r1",
-    max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500, max_prompt_tokens=2048, max_context=4096,
-    temperature=1.0, steps=1005, prompts_per_step=512, group_size=5, mini_batch_size=256, micro_batch_size=4, lr=1e-6,
-    warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, llds_gate="action",
-    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True)}
+# "paper": the paper's settings (Qwen2.5-3B, NQ+HotpotQA, E5 retriever server; section 4 of the LLDS paper);
+# "one-gpu-<0.5b|1.5b|3b>-<80gb|141gb>": the same algorithm, 64 prompts x 5, sized for one card (plumbing/presets.py).
+PRESETS = dict(presets.GPU_PRESETS)
 
 # The LLD lab (docs/lab/prereg.md): the paper's RL settings on a ~1M-parameter model warm-started by
 # sft.py, over the lab's questions (tasks/lab.py). Pass --model (the SFT folder), --lr, --mini-batch-size.
@@ -420,12 +416,8 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     """Everything a run needs; user errors (paths, flags, servers) raise ValueError / SystemExit."""
     check_config(cfg, CHOICES)
     device = runs.pick_device(cfg.device)
-    memory_plan.check(cfg, device, model)    # one line; stops here, naming the flag, when the run cannot fit
-    run_dir = runs.start_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume, cfg.seed)   # also: allocator settings, seeds
-    corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
     train_records = data.load_questions(cfg.data, split="train")
     eval_records = data.heldout_set(cfg.eval_data or cfg.data, cfg.eval_size)
-    retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None)
     if model is None:
         model, tokenizer = load_policy(cfg.model or None)
     # Each prompt is checked once, here: one too long would stop the run whenever drawn, and after every resume.
@@ -433,8 +425,13 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
                                                  "training questions")
     eval_records, _ = rollout.drop_long_prompts(eval_records, tokenizer, rollout_config(cfg), cfg.on_long_prompt,
                                                 "held-out questions")
+    prompts = (rollout.prompt_ids(r, tokenizer, cfg.template) for r in train_records + eval_records)
+    memory_plan.check(cfg, device, model, prompts)   # one line; stops here, naming the flag, when the run cannot fit
+    run_dir = runs.start_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume, cfg.seed)   # also: allocator settings, seeds
+    corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
+    retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None)
     # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume.
-    ref = reference_copy(model, bf16_weights=device.type == "cuda" and cfg.bf16).to(device) if cfg.kl_coef > 0 else None
+    ref = reference_copy(model, reference_in_bf16(device, cfg.bf16)).to(device) if cfg.kl_coef > 0 else None
     place_for_training(model, device, cfg.grad_checkpointing)
     optimizer = runs.adamw(model.parameters(), cfg.lr, cfg.weight_decay, device)   # foreach on a CPU, fused on CUDA
     return runs.Run(device=device, dir=run_dir, train_records=train_records, eval_records=eval_records,
@@ -479,6 +476,8 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
                 "sampler": sampler.state(), "skipped_steps": skipped, "evals": evals, "monitor": monitor.history})
     bar.close()
     log.close()
+    if cfg.save_bf16:
+        runs.export_bf16(run.dir / "model-bf16", run.model, run.tokenizer)
     plot_runs([run.dir])
     summary = {"before": evals.get("before"), "after": evals.get("after"), "last": metrics,
                "peak_memory_gb": peak_memory_gb(run.device)}

@@ -1,28 +1,46 @@
-"""The memory a train.py run will need, from the model's config (no weights loaded) and the run's
-flags, before it starts: `python train.py --plan [flags]` prints the table and exits; every run
-prints the one-line total and stops at once, naming the flag to change, when it exceeds the device.
+"""The memory a train.py run will need, and its time per step on a GPU, from the model's config
+(no weights loaded) and the run's flags: `python train.py --plan [flags]` prints the table and
+exits; every run prints the one-line peak at start, planned with its real prompts, and stops at
+once, naming the flag to change, when the peak is over 90% of the device.
 
-What lives when (bytes; P parameters, b = 2 under bf16 autocast else 4, S the longest episode):
-  always      weights fp32 4P, AdamW moments 8P, the reference model (kl_coef > 0: bf16 on CUDA
-              2P, else 4P), the autocast cache of bf16 weights (2P, bf16 only)
-  rollout     KV cache: rollout_batch_size x S x layers x 2 x kv_heads x head_dim x b; at a turn
-              boundary up to 0.9 x that again (KVBatch.keep_rows' compact copies live beside the
-              old buffers until each layer's next update: the one-GPU review's D2, not yet fixed);
-              one step's logits, rollout_batch_size x vocab x 4
-  update      gradients 4P, the AdamW step's transient (foreach on CPU: 4P), activations of one
-              micro-batch: micro_batch_size x S x layers x (10 H + 4 I) x b (saved for backward;
-              with --grad-checkpointing the layer inputs, H x b, plus one layer's full set), and
-              the head's checkpointed logit chunks, 3 x 1024 x vocab x 4
-S = max_prompt_tokens + (max_turns + 1) x max_turn_tokens + max_turns x max_obs_tokens, at most
-max_context: a bound, as real prompts are often shorter.
+Bytes; P parameters (P_lin: those only linear layers use, a tied head excluded), b = 2 under bf16
+autocast else 4, H hidden, I intermediate, L layers, kv = kv_heads x head_dim, V vocabulary:
+  always      weights fp32 4P, AdamW moments 8P, the reference model (kl_coef > 0; on a GPU under
+              bf16 2 P_lin + 4 (P - P_lin), else 4P), autocast's bf16 copies of the weights
+              linear layers use (2 x those, bf16 only)
+  rollout     per rollout batch of B rows (training's, or the held-out evaluation's at its own
+              turns): the KV cache, (B x (S - prefix + 256 spare) + prefix + 256) x L x kv x
+              (key bytes + b): keys keep RoPE's fp32 on a CPU, the compute dtype on a GPU; the few-
+              shot prefix all prompts share is stored once; one layer's copy at a turn end or when
+              the spare runs out; one chunk's forward (a prompt's rest or an observation, c tokens):
+              B x c x (3 I x b + 4 H x 4), its attention mask B x c x S x b, on a GPU HF's repeat of
+              keys and values to all heads, B x heads x S x head_dim x b x 2; sampling B x V x 12
+  update      gradients 4P; then either a micro-batch's activations and the head's checkpointed
+              logit chunks (min(1024, its model tokens) x V x 4 x 5, or x 6 in fp32: measured), or
+              the AdamW step's transient after them (foreach on a CPU: 4P; fused on CUDA: 0).
+              Activations per token and layer, counted from what autograd saves in a Qwen2 / Llama
+              layer: 4 x (8 H + 2 kv + 4 I) in fp32, 4 x 4 H + 2 x (7 H + 2 kv + 4 I) under bf16
+              autocast, and the attention mask, T x S x b per row (a copy per layer). Every layer's
+              set is saved, plus as much again for the layer whose backward runs; with
+              --grad-checkpointing the fp32 layer inputs, 4 H per token and layer, and twice one
+              layer's set (its recomputation and its backward)
+S: the longest episode, longest prompt + (turns + 1) x max_turn_tokens + turns x max_obs_tokens, at
+most max_context. A run plans with its longest prompt and the prefix all its prompts share (both
+known after load); --plan reads no prompts, so it takes max_prompt_tokens and no shared prefix (a
+bound). Without checkpointing the update runs the shared prefix once per mini-batch (PrefixStore):
+its rows hold (S - prefix) tokens each, plus the prefix's keys and values copied per row.
 Peak = always + max(rollout, update): the rollout's KV cache is freed before the update, the
-gradients before the rollout. Estimates: no allocator fragmentation, no CUDA context (~0.5 GB),
-no Python or torch runtime (~0.3-0.5 GB of RSS on a CPU).
+gradients before the rollout. Not counted: allocator fragmentation, the CUDA context (~0.5 GiB),
+the Python and torch runtime (~0.3-0.5 GiB of RSS on a CPU), the retriever's index.
+
+The time per step (`step_seconds`) is an estimate with stated assumptions, see its docstring.
 """
+import math
 import os
 from dataclasses import dataclass
 
-GB = 2**30
+GIB = 2**30
+SPARE = 256                          # fast_hf.GrowingLayer's spare positions
 
 
 @dataclass
@@ -49,36 +67,124 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        """Attention (Qwen2: q, k, v biases) and gated MLP of one layer: all linear."""
+        h, kv = self.hidden, self.kv
+        return 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.qkv_bias else 0) + 3 * h * self.intermediate
+
     def parameters(self) -> int:
-        """Llama / Qwen2 / SmolLM parameter count: embedding, per layer attention (Qwen2: q, k, v
-        biases), gated MLP and two RMSNorms, the final norm, and the head unless tied."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.qkv_bias else 0)
-        layer = attention + 3 * h * self.intermediate + 2 * h
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+        """Llama / Qwen2 / SmolLM parameter count: embedding, the layers with two RMSNorms each,
+        the final norm, and the head unless tied."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * (self.layer_parameters()
+                                                                                  + 2 * self.hidden) + self.hidden
+
+    def linear_only(self) -> int:
+        """Parameters only linear layers use: the layers' projections, and an untied head."""
+        return self.layers * self.layer_parameters() + (0 if self.tied else self.vocab * self.hidden)
+
+    def linear_used(self) -> int:
+        """Parameters linear layers use, a tied head included: autocast's bf16 copies, and the FLOPs."""
+        return self.linear_only() + (self.vocab * self.hidden if self.tied else 0)
 
 
-def plan(shape: Shape, cfg, cuda: bool, bf16: bool) -> dict[str, float]:
-    """{row: bytes} of the module docstring, with "peak" and "checkpoint on disk"."""
-    p, b = shape.parameters(), 2 if bf16 else 4
-    layer = 10 * shape.hidden + 4 * shape.intermediate              # saved activations per token per layer
-    per_token = (shape.layers * shape.hidden + layer if cfg.grad_checkpointing else shape.layers * layer) * b
-    seq = min(cfg.max_context, cfg.max_prompt_tokens + (cfg.max_turns + 1) * cfg.max_turn_tokens
-              + cfg.max_turns * cfg.max_obs_tokens)
-    rows = {"weights (fp32)": 4 * p, "AdamW moments": 8 * p,
-            "reference model": (2 * p if cuda and bf16 else 4 * p) if cfg.kl_coef > 0 else 0,
-            "autocast bf16 weights": 2 * p if bf16 else 0,
-            "rollout: KV cache": cfg.rollout_batch_size * seq * shape.layers * 2 * shape.kv_heads
-            * shape.head_dim * b,
-            "rollout: logits": cfg.rollout_batch_size * shape.vocab * 4,
-            "rollout: KV copies at turn ends": 0,
-            "update: gradients": 4 * p, "update: AdamW step transient": 0 if cuda else 4 * p,
-            "update: activations": cfg.micro_batch_size * seq * per_token,
-            "update: logit chunks": 3 * 1024 * shape.vocab * 4}
-    rows["rollout: KV copies at turn ends"] = int(0.9 * rows["rollout: KV cache"])
-    always = sum(v for k, v in rows.items() if ":" not in k)
-    phase = {name: sum(v for k, v in rows.items() if k.startswith(name + ":")) for name in ("rollout", "update")}
-    return {**rows, "peak": always + max(phase.values()), "checkpoint on disk": 12 * p}
+def prompt_lengths(prompts) -> tuple[int, int]:
+    """(longest, shared): the longest prompt's tokens and the leading tokens all prompts share, from
+    an iterable of token-id lists (read once, so a generator over a large dataset is fine)."""
+    longest, first, shared = 0, None, 0
+    for ids in prompts:
+        longest = max(longest, len(ids))
+        if first is None:
+            first, shared = ids, len(ids)
+        else:
+            shared = next((i for i, (a, b) in enumerate(zip(first[:shared], ids)) if a != b), min(shared, len(ids)))
+    return longest, shared
+
+
+def plan(shape: Shape, cfg, cuda: bool, bf16: bool, prompts: tuple[int, int] | None = None) -> dict[str, float]:
+    """{row: bytes} of the module docstring, with each phase's total, "peak" and "checkpoint on disk".
+    prompts: (longest, shared) of prompt_lengths, or None for the bound (max_prompt_tokens, 0)."""
+    p, lin, b = shape.parameters(), shape.linear_only(), 2 if bf16 else 4
+    h, i, layers, kv, vocab = shape.hidden, shape.intermediate, shape.layers, shape.kv, shape.vocab
+    longest, shared = prompts or (cfg.max_prompt_tokens, 0)
+    shared = min(shared, longest - 1)                 # KVBatch.start runs each row's last token itself
+
+    def episode(turns: int) -> int:
+        return min(cfg.max_context, longest + (turns + 1) * cfg.max_turn_tokens + turns * cfg.max_obs_tokens)
+
+    def rollout(rows: int, s: int) -> dict[str, int]:
+        kv_cache = (rows * (s - shared + SPARE) + shared + SPARE) * layers * kv * ((b if cuda else 4) + b)
+        chunk = max(longest - shared, cfg.max_obs_tokens + 1)
+        return {"rollout: KV cache": kv_cache, "rollout: one layer's copy": kv_cache // layers,
+                "rollout: a chunk's forward": rows * chunk * (3 * i * b + 4 * h * 4 + s * b)
+                                              + (rows * shape.heads * shape.head_dim * s * b * 2 if cuda else 0),
+                "rollout: sampling": rows * vocab * 12}
+
+    s = episode(cfg.max_turns)
+    train_rows = min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.group_size)
+    phases = [rollout(train_rows, s)]
+    if cfg.eval_size:
+        phases.append(rollout(min(cfg.rollout_batch_size, cfg.eval_size), episode(cfg.eval_max_turns)))
+    rollout_rows = max(phases, key=lambda r: sum(r.values()))
+
+    micro = min(cfg.micro_batch_size, cfg.mini_batch_size)
+    per_layer = 4 * (8 * h + 2 * kv + 4 * i) if b == 4 else 4 * 4 * h + 2 * (7 * h + 2 * kv + 4 * i)
+    if cfg.grad_checkpointing:                     # layer inputs (the fp32 residual); one layer recomputed, its grads
+        activations = micro * s * (layers * 4 * h + 2 * per_layer) + 2 * micro * s * s * b
+    else:                                          # every layer's set, and as much again for one layer's grads
+        prefix_once = shared if micro > 1 else 0   # PrefixStore: the prefix runs for one row per mini-batch
+        rest = micro * (s - prefix_once)
+        activations = ((layers + 1) * (rest * per_layer + rest * s * b + micro * prefix_once * 2 * kv * b)
+                       + prefix_once * layers * per_layer)
+    head_rows = min(1024, micro * (cfg.max_turns + 1) * cfg.max_turn_tokens)    # model tokens of a chunk
+    reference = (2 * lin + 4 * (p - lin) if cuda and bf16 else 4 * p) if cfg.kl_coef > 0 else 0
+    autocast = 2 * shape.linear_used() if bf16 else 0
+    rows = {"weights (fp32)": 4 * p, "AdamW moments": 8 * p, "reference model": reference,
+            "autocast bf16 weights": autocast, **rollout_rows,
+            "update: gradients": 4 * p, "update: activations": activations,
+            "update: logit chunks": head_rows * vocab * 4 * (5 if bf16 else 6), "update: AdamW step transient": 0 if cuda else 4 * p}
+    always = sum(x for k, x in rows.items() if ":" not in k)
+    totals = {"rollout": sum(x for k, x in rows.items() if k.startswith("rollout:")),
+              "update": rows["update: gradients"] + max(rows["update: activations"] + rows["update: logit chunks"],
+                                                        rows["update: AdamW step transient"])}
+    return {**rows, "always": always, "rollout total": totals["rollout"], "update total": totals["update"],
+            "peak": always + max(totals.values()), "checkpoint on disk": 12 * p, "episode tokens": s}
+
+
+# Cards the time estimate knows: (dense bf16 TFLOPS, memory TB/s).
+CARDS = {"H100 80GB": (989, 3.35), "H200 141GB": (989, 4.8), "A100 80GB": (312, 2.0)}
+
+
+def step_seconds(shape: Shape, cfg, card: str, mfu: float = 0.35, launch_ms_per_layer: float = 0.9) -> dict:
+    """An estimate of one training step's seconds on `card`, with these assumptions:
+    - every turn of a rollout batch runs to max_turn_tokens (a batch lasts as long as its longest
+      row), so a step decodes ceil(N / rollout_batch_size) x (max_turns + 1) x max_turn_tokens steps;
+    - a decode step takes the larger of eager PyTorch's kernel launches, `launch_ms_per_layer` per
+      layer (about 100 kernels a layer), and its memory traffic at the card's bandwidth: the bf16
+      weights once plus the KV cache of the batch at half the episode, read 5 times (the float32
+      attention of fast_hf reads keys and values, writes and reads their fp32 copies);
+    - the training passes run at `mfu` of the card's dense bf16 FLOPS: 2 x linear parameters x
+      tokens per forward, plus attention 2 x L x S x H per token, over N episodes of S tokens each
+      (the plan's longest episode: an upper bound); forward + backward = 3 forwards, +1 with
+      gradient checkpointing; the old-log-prob pass (all mini-batches but the first), the
+      reference (kl_coef > 0) and the displacement pass every displacement_every steps, 1 each;
+    - no retrieval time, no held-out evaluation, no checkpoint writes.
+    -> {"rollout": s, "training": s, "step": s}"""
+    tflops, tbps = CARDS[card]
+    n = cfg.prompts_per_step * cfg.group_size
+    s = plan(shape, cfg, cuda=True, bf16=True)["episode tokens"]
+    rows = min(cfg.rollout_batch_size, n)
+    kv_half = rows * s / 2 * shape.layers * shape.kv * 4          # bf16 keys and values
+    decode_ms = max(launch_ms_per_layer * shape.layers, (2 * shape.linear_only() + 5 * kv_half) / (tbps * 1e9))
+    rollout = math.ceil(n / cfg.rollout_batch_size) * (cfg.max_turns + 1) * cfg.max_turn_tokens * decode_ms / 1e3
+    forward = n * s * (2 * shape.linear_used() + 2 * shape.layers * s * shape.hidden)
+    passes = (3 + cfg.grad_checkpointing + (1 - cfg.mini_batch_size / n) + (cfg.kl_coef > 0)
+              + (1 / cfg.displacement_every if cfg.displacement_every else 0))
+    training = forward * passes / (mfu * tflops * 1e12)
+    return {"rollout": rollout, "training": training, "step": rollout + training}
 
 
 def device_bytes(cuda: bool) -> int:
@@ -89,9 +195,16 @@ def device_bytes(cuda: bool) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def table(rows: dict[str, float], shape: Shape, available: int, where: str) -> str:
-    lines = [f"memory plan: {shape.parameters() / 1e6:,.1f}M parameters, {where} {available / GB:.1f} GB"]
-    lines += [f"  {name:<30}{value / GB:>9.2f} GB" for name, value in rows.items()]
+def table(rows: dict[str, float], shape: Shape, available: int, where: str, prompts, cfg) -> str:
+    what = (f"longest prompt {prompts[0]} tokens, {prompts[1]} shared" if prompts else
+            f"prompts not read: max_prompt_tokens {cfg.max_prompt_tokens} and no shared prefix (a bound)")
+    lines = [f"memory plan: {shape.parameters() / 1e6:,.1f}M parameters, {where}"
+             f"{f' {available / GIB:.1f} GiB' if available else ' with bf16 units'}; "
+             f"episodes up to {rows['episode tokens']} tokens ({what})"]
+    lines += [f"  {name:<30}{value / GIB:>9.2f} GiB" for name, value in rows.items() if name != "episode tokens"]
+    lines += [f"  time per step, est. on {card:<11}{t['step'] / 60:>6.1f} min (rollout {t['rollout'] / 60:.1f}, "
+              f"training {t['training'] / 60:.1f}; assumptions: plumbing/memory_plan.py step_seconds)"
+              for card in CARDS for t in [step_seconds(shape, cfg, card)]]
     return "\n".join(lines)
 
 
@@ -99,14 +212,14 @@ def too_big(rows: dict[str, float], available: int) -> str | None:
     """None when the peak fits in 90% of the device; else one line naming the flag to change."""
     if rows["peak"] <= 0.9 * available:
         return None
-    flag = max([("--rollout-batch-size or --max-context", rows["rollout: KV cache"]),
+    flag = max([("--rollout-batch-size or --max-context", rows["rollout total"]),
                 ("--micro-batch-size, or --grad-checkpointing", rows["update: activations"]),
                 ("--kl-coef 0 (no reference model)", rows["reference model"])], key=lambda f: f[1])[0]
-    return (f"the memory plan needs {rows['peak'] / GB:.1f} GB, over 90% of the device's {available / GB:.1f} GB: "
+    return (f"the memory plan needs {rows['peak'] / GIB:.1f} GiB, over 90% of the device's {available / GIB:.1f} GiB: "
             f"lower {flag} (python train.py --plan ... prints the whole plan)")
 
 
-def for_run(cfg, device, model=None) -> tuple[dict, Shape, int, str]:
+def for_run(cfg, device, model=None, prompts=None) -> tuple[dict, Shape, int, str]:
     """The plan of a train.py config on `device` (torch.device): (rows, shape, device bytes, where)."""
     from plumbing import fast_hf
     from plumbing.models import embedded_smollm2, not_a_model_folder
@@ -122,22 +235,27 @@ def for_run(cfg, device, model=None) -> tuple[dict, Shape, int, str]:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {cfg.model!r}: no config to plan from ({str(e).splitlines()[0]})") from None
+    import torch
+
     cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():       # --plan --device cuda on a machine without one
+        return plan(Shape.of(config), cfg, True, cfg.bf16, prompts), Shape.of(config), 0, "no GPU here: planned for one"
     shape = Shape.of(config)
-    rows = plan(shape, cfg, cuda, cfg.bf16 and fast_hf.bf16_supported(device))
+    rows = plan(shape, cfg, cuda, cfg.bf16 and fast_hf.bf16_supported(device), prompts)
     return rows, shape, device_bytes(cuda), "GPU memory" if cuda else "RAM"
 
 
-def check(cfg, device, model=None) -> None:
-    """The one-line summary every run prints at start; ValueError (one line, the flag to change)
-    when the plan's peak is over 90% of the device."""
-    rows, shape, available, where = for_run(cfg, device, model)
-    print(f"memory plan: peak {rows['peak'] / GB:.2f} GB of {available / GB:.1f} GB {where} "
-          f"(python train.py --plan for the table)")
-    if (line := too_big(rows, available)) is not None:
+def check(cfg, device, model, prompts) -> None:
+    """The one-line summary every run prints at start, planned with its prompts (an iterable of
+    token-id lists); ValueError (one line, the flag to change) when the peak is over 90% of the device."""
+    lengths = prompt_lengths(prompts)
+    rows, shape, available, where = for_run(cfg, device, model, lengths)
+    print(f"memory plan: peak {rows['peak'] / GIB:.2f} GiB of {available / GIB:.1f} GiB {where}, episodes up to "
+          f"{rows['episode tokens']} tokens (python train.py --plan for the table)")
+    if available and (line := too_big(rows, available)) is not None:
         raise ValueError(line)
 
 
 def print_plan(cfg, device) -> str:
     rows, shape, available, where = for_run(cfg, device)
-    return table(rows, shape, available, where)
+    return table(rows, shape, available, where, None, cfg)

@@ -1,6 +1,7 @@
 """The memory plan (plumbing/memory_plan.py) by hand arithmetic and independent recomputation:
 Qwen2.5's parameter counts from their configs (bench/configs/), the KV cache of the paper preset,
 and a run that cannot fit stopping at once in one line that names the flag to change."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,27 +28,72 @@ def test_parameter_counts_match_the_published_ones_and_a_meta_model(name):
     assert memory_plan.Shape.of(config).parameters() == counted == PUBLISHED[name]
 
 
+def shape_of(name):
+    return memory_plan.Shape.of(json.loads((CONFIGS / name / "config.json").read_text()))
+
+
 def test_the_paper_preset_on_qwen_3b_by_hand():
-    shape = memory_plan.Shape.of(json.loads((CONFIGS / "qwen2.5-3b-instruct" / "config.json").read_text()))
+    shape = shape_of("qwen2.5-3b-instruct")
     cfg = train.Config(**train.PRESETS["paper"])
     rows = memory_plan.plan(shape, cfg, cuda=True, bf16=True)
     p = 3_085_938_688
-    # S = min(4096, 2048 + 4 x 500 + 3 x 500); KV: 128 episodes x S x 36 layers x (k, v) x 2 heads x 128 dims x 2 bytes
-    assert rows["rollout: KV cache"] == 128 * 4096 * 36 * 2 * 2 * 128 * 2 == 19_327_352_832
-    assert rows["weights (fp32)"] == 4 * p and rows["AdamW moments"] == 8 * p and rows["reference model"] == 2 * p
-    assert rows["update: AdamW step transient"] == 0                 # fused on CUDA
-    # grad checkpointing: per token 36 layer inputs + one layer, (36 x 2048 + 10 x 2048 + 4 x 11008) x 2 bytes
-    assert rows["update: activations"] == 4 * 4096 * (36 * 2048 + 10 * 2048 + 4 * 11008) * 2
-    always = 4 * p + 8 * p + 2 * p + 2 * p
-    assert rows["rollout: KV copies at turn ends"] == int(0.9 * 19_327_352_832)
-    assert rows["peak"] == always + max(rows["rollout: KV cache"] + int(0.9 * 19_327_352_832) + rows["rollout: logits"],
-                                        4 * p + rows["update: activations"] + rows["update: logit chunks"])
-    assert rows["checkpoint on disk"] == 12 * p
+    # all linear: 36 layers x (q, o 2048^2; k, v 2048 x 256; their biases; gate, up, down 2048 x 11008)
+    lin = 36 * (2 * 2048 ** 2 + 2 * 2048 * 256 + 2048 + 2 * 256 + 3 * 2048 * 11008)
+    assert shape.linear_only() == lin == 2_774_624_256 and p - lin == 151936 * 2048 + 73 * 2048   # embedding, norms
+    # S = min(4096, 2048 + 4 x 500 + 3 x 500) = 4096, no prompts read: no shared prefix; per token 36 layers x
+    # (k, v) 2 x 128 x (2 bytes of key on a GPU + 2 of value); 256 spare positions per row and for the prefix
+    kv = (128 * (4096 + 256) + 256) * 36 * 256 * (2 + 2)
+    assert rows["rollout: KV cache"] == kv == 20_544_749_568 and rows["rollout: one layer's copy"] == kv // 36
+    # the prompt's 2048-token chunk for 128 rows: 3 MLP tensors bf16 + 4 fp32 residual-sized, its mask; HF's
+    # repeat of keys and values to 16 heads of 128
+    assert rows["rollout: a chunk's forward"] == 128 * 2048 * (3 * 11008 * 2 + 4 * 2048 * 4 + 4096 * 2) + \
+        128 * 16 * 128 * 4096 * 2 * 2
+    assert rows["weights (fp32)"] == 4 * p and rows["AdamW moments"] == 8 * p
+    assert rows["reference model"] == 2 * lin + 4 * (p - lin)              # bf16 linear weights, fp32 embeddings
+    assert rows["autocast bf16 weights"] == 2 * (lin + 151936 * 2048)       # the tied head is cast too
+    assert rows["update: AdamW step transient"] == 0                        # fused on CUDA
+    # grad checkpointing: per token the 36 fp32 layer inputs and, twice, one layer's saved set under autocast
+    # (4 H fp32 + 7 H + 2 kv + 4 I bf16), and that layer's mask twice
+    per_layer = 4 * 4 * 2048 + 2 * (7 * 2048 + 2 * 256 + 4 * 11008)
+    assert rows["update: activations"] == 4 * 4096 * (36 * 4 * 2048 + 2 * per_layer) + 2 * 4 * 4096 * 4096 * 2
+    always = 4 * p + 8 * p + rows["reference model"] + rows["autocast bf16 weights"]
+    rollout = kv + kv // 36 + rows["rollout: a chunk's forward"] + 128 * 151936 * 12
+    update = 4 * p + rows["update: activations"] + 1024 * 151936 * 4 * 5        # a full chunk of logits
+    assert (rows["always"], rows["rollout total"], rows["update total"]) == (always, rollout, update)
+    assert rows["peak"] == always + max(rollout, update) and rows["checkpoint on disk"] == 12 * p
+
+
+def test_prompt_lengths_reads_the_longest_and_the_shared_prefix_once():
+    assert memory_plan.prompt_lengths(iter([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 9, 9, 9]])) == (6, 2)
+    assert memory_plan.prompt_lengths(iter([[7, 8], [7, 8, 9]])) == (3, 2)     # a prompt that is the prefix
+    assert memory_plan.prompt_lengths([[4, 5, 6]]) == (3, 3)
+
+
+def test_the_cpu_path_by_hand_with_real_prompts_and_a_shared_prefix():
+    # The CPU demo's path: keys fp32 beside bf16 values, prefix stored once in the cache and run once per
+    # mini-batch in the update (no checkpointing), the evaluation's 50 rows over training's 32.
+    shape = memory_plan.Shape(vocab=300, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False,
+                              qkv_bias=True)
+    cfg = train.Config(max_turns=2, max_turn_tokens=32, max_obs_tokens=200, prompts_per_step=8, group_size=4,
+                       rollout_batch_size=64, eval_size=50, micro_batch_size=4, kl_coef=0.0)
+    rows = memory_plan.plan(shape, cfg, cuda=False, bf16=True, prompts=(468, 459))
+    s = 468 + 3 * 32 + 2 * 200
+    assert rows["episode tokens"] == s == 964
+    kv = (50 * (s - 459 + 256) + 459 + 256) * 2 * 32 * (4 + 2)
+    assert rows["rollout: KV cache"] == kv
+    assert rows["rollout: a chunk's forward"] == 50 * 201 * (3 * 128 * 2 + 4 * 64 * 4 + s * 2)    # an observation
+    per_layer = 4 * 4 * 64 + 2 * (7 * 64 + 2 * 32 + 4 * 128)
+    rest = 4 * (s - 459)
+    assert rows["update: activations"] == 3 * (rest * per_layer + rest * s * 2 + 4 * 459 * 2 * 32 * 2) \
+        + 459 * 2 * per_layer
+    assert rows["update: AdamW step transient"] == 4 * shape.parameters() and rows["reference model"] == 0
+    # the head's chunk: the micro-batch's model tokens, 4 rows x 3 turns x 32, under 1024
+    assert rows["update total"] == 4 * shape.parameters() + rows["update: activations"] + 4 * 3 * 32 * 300 * 4 * 5
 
 
 def test_a_run_that_cannot_fit_stops_at_once_naming_the_flag(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(memory_plan, "device_bytes", lambda cuda: 2**20)          # a 1 MiB device
-    with pytest.raises(ValueError, match=r"the memory plan needs .* GB, over 90% of the device's 0\.0 GB: lower --"):
+    with pytest.raises(ValueError, match=r"the memory plan needs .* GiB, over 90% of the device's 0\.0 GiB: lower --"):
         train.setup(tiny_config(tmp_path, name="big"), *tiny_policy())
     assert not (tmp_path / "big").exists()                         # stopped before the run folder
     monkeypatch.undo()
@@ -63,3 +109,55 @@ def test_plan_flag_prints_the_table_and_exits(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "memory plan:" in out and "rollout: KV cache" in out and "peak" in out
     assert not (tmp_path / "demo").exists()
+
+
+GIB = 2**30
+CARD_GIB = {"80gb": 79.0, "141gb": 139.0}        # what torch reports of an H100 80GB / an H200, rounded down
+# The paper's settings, as train.py held them before they moved to plumbing/presets.py.
+PAPER = dict(
+    model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
+    eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve", template="search-r1",
+    max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500, max_prompt_tokens=2048, max_context=4096,
+    temperature=1.0, steps=1005, prompts_per_step=512, group_size=5, mini_batch_size=256, micro_batch_size=4, lr=1e-6,
+    warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, llds_gate="action",
+    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True)
+ALGORITHM = ("template", "max_turns", "topk", "max_turn_tokens", "max_obs_tokens", "max_context", "temperature",
+             "group_size", "lr", "warmup_ratio", "clip_eps", "kl_coef", "entropy_coef", "llds", "llds_lambda",
+             "llds_gate", "llds_reduction", "answer_weight", "grad_checkpointing", "retriever", "data", "eval_max_turns")
+
+
+def test_each_one_gpu_preset_keeps_the_papers_algorithm_and_fits_its_card_as_tight_as_it_can():
+    assert train.PRESETS["paper"] == PAPER
+    names = sorted(n for n in train.PRESETS if n.startswith("one-gpu-"))
+    assert names == [f"one-gpu-{s}-{c}" for s in ("0.5b", "1.5b", "3b") for c in ("141gb", "80gb")]
+    paper = train.Config(**PAPER)
+    for name in names:
+        size, card = name.split("-")[2:]
+        cfg = train.Config(**train.PRESETS[name])
+        assert all(getattr(cfg, f) == getattr(paper, f) for f in ALGORITHM), name
+        n = cfg.prompts_per_step * cfg.group_size
+        assert (n, n // cfg.mini_batch_size) == (320, 10)                 # 64 x 5, 10 updates a step as the paper's
+
+        def peak(**change):
+            return memory_plan.plan(shape_of(f"qwen2.5-{size}-instruct"), dataclasses.replace(cfg, **change),
+                                    cuda=True, bf16=True)["peak"]
+
+        limit = 0.85 * CARD_GIB[card] * GIB
+        assert peak() <= limit, name
+        larger = min((d for d in range(cfg.rollout_batch_size + 1, n + 1) if n % d == 0), default=None)
+        assert larger is None or peak(rollout_batch_size=larger) > limit, name
+        assert cfg.micro_batch_size == 8 or peak(micro_batch_size=2 * cfg.micro_batch_size) > limit, name
+
+
+def test_the_step_time_estimate_by_hand():
+    shape, cfg = shape_of("qwen2.5-3b-instruct"), train.Config(**train.PRESETS["one-gpu-3b-80gb"])
+    t = memory_plan.step_seconds(shape, cfg, "H100 80GB")
+    s = min(4096, 512 + 4 * 500 + 3 * 500)                                 # 4012 tokens
+    # decode: 80 rows; 36 layers x 0.9 ms of launches against (bf16 weights + 5 x the KV cache at s / 2) / 3.35 TB/s
+    traffic = 2 * 2_774_624_256 + 5 * 80 * s / 2 * 36 * 256 * 4
+    assert traffic / 3.35e9 < 36 * 0.9                                     # launch-bound: 32.4 ms a step
+    assert t["rollout"] == pytest.approx(320 / 80 * 4 * 500 * 32.4e-3)     # 4 batches x 2000 steps: 259 s
+    forward = 320 * s * (2 * (2_774_624_256 + 151936 * 2048) + 2 * 36 * s * 2048)
+    passes = 3 + 1 + (1 - 32 / 320) + 1 + 1 / 10                          # fwd+bwd, recompute, old, ref, displacement
+    assert t["training"] == pytest.approx(forward * passes / (0.35 * 989e12))
+    assert t["step"] == pytest.approx(t["rollout"] + t["training"]) and 5 * 60 < t["step"] < 8 * 60

@@ -1,0 +1,38 @@
+"""train.py's GPU presets: the paper's settings, and one-GPU presets of the same algorithm with a
+smaller batch, each sized by the memory plan (plumbing/memory_plan.py) for one 80 GB or 141 GB card.
+
+`--preset paper` is the LLDS paper's setting (section 4: Qwen2.5-3B-Instruct, NQ + HotpotQA, the E5
+retriever as a server, 512 prompts x 5 a step), run on one device: about 4 weeks on one H100 (the
+plan's estimate). `--preset one-gpu-<size>-<card>` keeps every algorithm setting of it (the
+search-r1 prompt, 3 searches of top-3 passages, 500-token turns and observations, T = 1, lr 1e-6,
+warm-up 0.285, clip 0.2, KL and entropy 0.001, LLDS lambda 0.2 with the action gate, 10 updates a
+step) on 64 prompts x 5 a step, with:
+- max_prompt_tokens 512: Search-R1's prompts are ~180 Qwen tokens, and the bound sets the plan;
+- the rollout batch (and the micro-batch) the plan fits into 85% of the card, from `--plan` on
+  bench/configs/<model>'s config: planned peaks and times are in README.md's GPU section;
+- the displacement pass every 10 steps (+12% of a step when run every step), 200 steps, 500
+  held-out questions every 50 steps, and 2 checkpoints (the older without its optimizer state).
+"""
+
+PAPER = dict(
+    model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
+    eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve", template="search-r1",
+    max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500, max_prompt_tokens=2048, max_context=4096,
+    temperature=1.0, steps=1005, prompts_per_step=512, group_size=5, mini_batch_size=256, micro_batch_size=4, lr=1e-6,
+    warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, llds_gate="action",
+    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True)
+
+ONE_GPU = {**PAPER, "max_prompt_tokens": 512, "steps": 200, "prompts_per_step": 64, "mini_batch_size": 32,
+           "displacement_every": 10, "token_view_every": 50, "eval_size": 500, "keep_ckpts": 2}
+
+# (model size, card) -> (rollout_batch_size, micro_batch_size), chosen with the memory plan
+# (tests/test_memory_plan.py checks each fits in 85% of its card and that the next larger rollout
+# batch of these steps, or twice the micro-batch up to 8, would not).
+SIZED = {("0.5b", "80gb"): (320, 8), ("0.5b", "141gb"): (320, 8),
+         ("1.5b", "80gb"): (160, 8), ("1.5b", "141gb"): (320, 8),
+         ("3b", "80gb"): (80, 2), ("3b", "141gb"): (160, 8)}
+
+GPU_PRESETS = {"paper": PAPER, **{
+    f"one-gpu-{size}-{card}": {**ONE_GPU, "model": f"Qwen/Qwen2.5-{size.upper()}-Instruct",
+                               "rollout_batch_size": rollout, "micro_batch_size": micro}
+    for (size, card), (rollout, micro) in SIZED.items()}}

@@ -1,7 +1,9 @@
-"""glibc allocator settings for long CPU runs, and peak-memory readings. No-ops off glibc."""
+"""glibc allocator settings for long CPU runs (no-ops off glibc), and memory readings: the peak so
+far, and peaks per phase (bench/gpu_check.py; on a CPU they read Linux's /proc)."""
 import ctypes
 import gc
 import os
+import re
 import sys
 
 import torch
@@ -17,6 +19,36 @@ def peak_memory_gb(device: torch.device, reserved: bool = False) -> float | None
     except ImportError:                               # Windows
         return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start measuring a new peak (phase_peak): CUDA's peak counters, or on Linux the process's
+    RSS high-water mark (written to /proc/self/clear_refs, it restarts at the current RSS)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def phase_peak(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) peak bytes since reset_peak on CUDA; on a CPU the RSS high-water mark twice."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return _status_bytes("VmHWM"), _status_bytes("VmHWM")
+
+
+def memory_now(device: torch.device) -> int:
+    """Bytes allocated now on CUDA; the process's RSS on a CPU (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (Linux), in bytes."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
 
 
 def _glibc():

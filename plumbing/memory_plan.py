@@ -145,7 +145,8 @@ def plan(shape: Shape, cfg, cuda: bool, bf16: bool, prompts: tuple[int, int] | N
     rows = {"weights (fp32)": 4 * p, "AdamW moments": 8 * p, "reference model": reference,
             "autocast bf16 weights": autocast, **rollout_rows,
             "update: gradients": 4 * p, "update: activations": activations,
-            "update: logit chunks": head_rows * vocab * 4 * (5 if bf16 else 6), "update: AdamW step transient": 0 if cuda else 4 * p}
+            "update: logit chunks": head_rows * vocab * 4 * (5 if bf16 else 6),
+            "update: AdamW step transient": 0 if cuda else 4 * p}
     always = sum(x for k, x in rows.items() if ":" not in k)
     totals = {"rollout": sum(x for k, x in rows.items() if k.startswith("rollout:")),
               "update": rows["update: gradients"] + max(rows["update: activations"] + rows["update: logit chunks"],
@@ -178,7 +179,7 @@ def step_seconds(shape: Shape, cfg, card: str, mfu: float = 0.35, launch_ms_per_
     s = plan(shape, cfg, cuda=True, bf16=True)["episode tokens"]
     rows = min(cfg.rollout_batch_size, n)
     kv_half = rows * s / 2 * shape.layers * shape.kv * 4          # bf16 keys and values
-    decode_ms = max(launch_ms_per_layer * shape.layers, (2 * shape.linear_only() + 5 * kv_half) / (tbps * 1e9))
+    decode_ms = max(launch_ms_per_layer * shape.layers, (2 * shape.linear_used() + 5 * kv_half) / (tbps * 1e9))
     rollout = math.ceil(n / cfg.rollout_batch_size) * (cfg.max_turns + 1) * cfg.max_turn_tokens * decode_ms / 1e3
     forward = n * s * (2 * shape.linear_used() + 2 * shape.layers * s * shape.hidden)
     passes = (3 + cfg.grad_checkpointing + (1 - cfg.mini_batch_size / n) + (cfg.kl_coef > 0)
@@ -237,10 +238,9 @@ def for_run(cfg, device, model=None, prompts=None) -> tuple[dict, Shape, int, st
             raise ValueError(f"--model {cfg.model!r}: no config to plan from ({str(e).splitlines()[0]})") from None
     import torch
 
-    cuda = device.type == "cuda"
+    cuda, shape = device.type == "cuda", Shape.of(config)
     if cuda and not torch.cuda.is_available():       # --plan --device cuda on a machine without one
-        return plan(Shape.of(config), cfg, True, cfg.bf16, prompts), Shape.of(config), 0, "no GPU here: planned for one"
-    shape = Shape.of(config)
+        return plan(shape, cfg, True, cfg.bf16, prompts), shape, 0, "no GPU here: planned for one"
     rows = plan(shape, cfg, cuda, cfg.bf16 and fast_hf.bf16_supported(device), prompts)
     return rows, shape, device_bytes(cuda), "GPU memory" if cuda else "RAM"
 

@@ -154,7 +154,7 @@ def test_the_step_time_estimate_by_hand():
     t = memory_plan.step_seconds(shape, cfg, "H100 80GB")
     s = min(4096, 512 + 4 * 500 + 3 * 500)                                 # 4012 tokens
     # decode: 80 rows; 36 layers x 0.9 ms of launches against (bf16 weights + 5 x the KV cache at s / 2) / 3.35 TB/s
-    traffic = 2 * 2_774_624_256 + 5 * 80 * s / 2 * 36 * 256 * 4
+    traffic = 2 * (2_774_624_256 + 151936 * 2048) + 5 * 80 * s / 2 * 36 * 256 * 4
     assert traffic / 3.35e9 < 36 * 0.9                                     # launch-bound: 32.4 ms a step
     assert t["rollout"] == pytest.approx(320 / 80 * 4 * 500 * 32.4e-3)     # 4 batches x 2000 steps: 259 s
     forward = 320 * s * (2 * (2_774_624_256 + 151936 * 2048) + 2 * 36 * s * 2048)

@@ -28,6 +28,9 @@ the process by runtime caches the plan does not count either.
     python bench/gpu_check.py             # one GPU: Qwen2.5-3B, the one-gpu-3b preset for the card's memory
     python bench/gpu_check.py --model qwen2.5-0.5b-instruct --preset one-gpu-0.5b-80gb
     python bench/gpu_check.py --smoke     # a tiny config on the CPU, short turns (tests/test_gpu_check.py)
+
+Its files (for 3B: the model 6 GB, the checkpoint 35 GB, the export 6 GB) go to a temporary folder
+under $TMPDIR (default /tmp): point it at a disk with 50 GB free.
 """
 import argparse
 import dataclasses

@@ -161,7 +161,8 @@ def main() -> None:
         return
     else:
         if not args.cell:
-            raise SystemExit("error: study and demo need --cell (bench/lab_study.py pilot docs/lab/pilot names it)")
+            raise SystemExit("error: study and demo need --cell, and the pilot has chosen none yet "
+                             "(`bench/lab_study.py pilot docs/lab/pilot` says where it stands; `make lab` continues it)")
         lr, u = parse_cell(args.cell)
         where = "study" if args.stage == "study" else "demo"
         seeds = STUDY_SEEDS if args.stage == "study" else [0]

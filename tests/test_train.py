@@ -584,6 +584,18 @@ def test_paired_change_counts_turned_questions_and_gives_the_exact_sign_test():
     assert runs.paired_change({}, {}) == ""
 
 
+def test_the_verdict_says_in_words_whether_the_change_is_beyond_noise():
+    nine_wrong, eight_turned_right = {"eval/correct": [0] * 9}, {"eval/correct": [1] * 8 + [0]}
+    # 8 turned right, 0 wrong: p = 2 / 2^8 = 0.0078; the reverse: the same p, the other way
+    assert runs.verdict(runs.sign_test(nine_wrong, eight_turned_right)) == \
+        "beyond noise (p = 0.0078 < 0.05): the policy learned"
+    assert runs.verdict(runs.sign_test(eight_turned_right, nine_wrong)).startswith("EM fell beyond noise (p = 0.0078")
+    # 6 turned right, 2 wrong: p = 2 * (C(8,0) + C(8,1) + C(8,2)) / 2^8 = 74 / 256 = 0.29
+    test = runs.sign_test({"eval/correct": [0] * 6 + [1] * 2}, {"eval/correct": [1] * 6 + [0] * 2})
+    assert (test["right"], test["wrong"]) == (6, 2)
+    assert runs.verdict(test).startswith("within noise (p = 0.29 >= 0.05)")
+
+
 def test_tied_groups_and_zero_gradient_steps_are_named(tmp_path, alternating_rewards):
     from types import SimpleNamespace
     ep = {"em": 0.0, "f1": 0.0, "n_search": 0, "n_valid": 0, "finished": False, "queries": [], "golds": ["x"], "text": ""}

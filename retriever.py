@@ -291,7 +291,7 @@ class DenseRetriever:
         starts = tqdm(range(0, len(corpus), ENCODE_BLOCK), desc="encode passages", unit="block",
                       disable=len(corpus) < BIG_CORPUS)
         dense_index.add_streamed(index, (enc.encode(corpus.contents(s, min(s + ENCODE_BLOCK, len(corpus))), "passage")
-                                         for s in starts))
+                                         for s in starts), len(corpus))
         return cls(corpus, index, enc, faiss_type, index_device, faiss_params)
 
     def save(self, index_dir) -> None:

@@ -3,7 +3,8 @@
 - `new_index` / `add_streamed`: any faiss index_factory string ("Flat", "SQfp16", "HNSW32",
   "HNSW32,SQfp16", "IVF4096,PQ64", ...), inner-product metric, filled block by block as the encoder
   produces vectors: indexes that need training (IVF, PQ) are trained on the first TRAIN_VECTORS
-  vectors, which are then added; the corpus's vectors are never all in memory at once.
+  vectors, which are then added; the corpus's vectors are never all in memory at once, and a flat
+  index's storage is allocated once (faiss's own add grows it by doubling: up to 2x at a time).
 - `read_index`: a file written by faiss (ours, or Search-R1's e5_Flat.index) memory-mapped where
   faiss can (flat, SQ and PQ codes; an HNSW graph is read into RAM).
 - `on_device`: the index moved to a GPU when faiss has GPU support (faiss-gpu), fp16 storage there.
@@ -41,10 +42,22 @@ def new_index(dim: int, spec: str):
         raise ValueError(f"--faiss-type {spec!r}: {faiss_error(e)}") from None
 
 
-def add_streamed(index, blocks) -> None:
-    """Add every (n, D) float32 block of `blocks` to `index`, in order: row i of the corpus is id i."""
-    pending = []
+def add_streamed(index, blocks, total: int) -> None:
+    """Add every (n, D) float32 block of `blocks` (`total` rows in all) to `index`, in order: row i
+    of the corpus is id i."""
+    faiss, pending, filled = _faiss(), [], 0
+    # A flat-codes index (Flat, SQ, PQ) keeps its codes in one vector that index.add grows by
+    # doubling: up to twice the index in memory at once. Sized once here, filled in place instead.
+    flat_codes = isinstance(index, faiss.IndexFlatCodes) and index.is_trained
+    if flat_codes:
+        index.codes.resize(total * index.code_size)
+        codes = faiss.rev_swig_ptr(index.codes.data(), total * index.code_size).reshape(total, index.code_size)
     for vectors in blocks:
+        if flat_codes:
+            codes[filled:filled + len(vectors)] = index.sa_encode(vectors)
+            filled += len(vectors)
+            index.ntotal = filled
+            continue
         if index.is_trained:
             index.add(vectors)
             continue

@@ -399,7 +399,14 @@ def test_faiss_indexes_are_filled_block_by_block_in_corpus_order(spec, params, m
     vectors = rng.standard_normal((100, 16)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     index = dense_index.new_index(16, spec)
-    dense_index.add_streamed(index, (vectors[s:s + 7] for s in range(0, 100, 7)))
+    dense_index.add_streamed(index, (vectors[s:s + 7] for s in range(0, 100, 7)), 100)
+    assert index.ntotal == 100
+    if not spec.startswith("HNSW"):                                 # an HNSW graph depends on its insertion order
+        one_go = dense_index.new_index(16, spec)                     # faiss's own add, all at once
+        if not one_go.is_trained:
+            one_go.train(vectors[:42])                                # what add_streamed trained on
+        one_go.add(vectors)
+        assert np.array_equal(index.search(vectors, 5)[1], one_go.search(vectors, 5)[1])
     faiss.write_index(index, str(tmp_path / "x.index"))
     index = dense_index.read_index(tmp_path / "x.index")
     dense_index.set_search_params(index, params)
@@ -409,7 +416,7 @@ def test_faiss_indexes_are_filled_block_by_block_in_corpus_order(spec, params, m
     want = np.sort(exact, axis=1)[:, ::-1][:, :3]
     np.testing.assert_allclose(scores, want, atol=2e-3 if spec == "SQfp16" else 1e-5)
     with pytest.raises(ValueError, match=r"cannot be trained on this corpus.*training points \(100\)"):
-        dense_index.add_streamed(dense_index.new_index(16, "IVF4096,PQ8"), [vectors])
+        dense_index.add_streamed(dense_index.new_index(16, "IVF4096,PQ8"), [vectors], 100)
     with pytest.raises(ValueError, match=r"--faiss-type 'Bogus': could not parse index string Bogus"):
         dense_index.new_index(16, "Bogus")
 

@@ -33,6 +33,9 @@ PILOT_LRS, PILOT_UPDATES, PILOT_SEEDS = (1e-5, 3e-5, 1e-4), (4, 10), range(1000,
 STUDY_SEEDS = range(32)
 BATCH = 8 * 5                                          # prompts x group size of the lab preset
 SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
+# The registered models (docs/lab/prereg.md §1-2): built in float32 on ONE thread, the only way to get these bytes.
+REGISTERED = {"base": "e40b6e570dfe4ec12706bd330399e695b14dfb0e5d643f06445e6bcfbe054979",
+              "sft": "da805fefc147bb83594564f88d6fc2f440e68b45d983143ff4669f5009706ed9"}
 
 
 def cell_name(lr: float, updates: int) -> str:
@@ -54,15 +57,27 @@ def sha256(folder: Path) -> str:
 
 
 def sft() -> Path:
-    """The warm-started model, trained once with the registered recipe."""
+    """The warm-started model, trained once with the registered recipe, on one thread (pretraining too),
+    and checked against the registered hashes: a run from any other model would not be the registered lab."""
+    import torch
+
+    torch.set_num_threads(1)
     lab = build_lab()
+    check_registered("base", lab / "base")
     model = SFT_DIR / "model"
     if not (model / "config.json").exists():
         subprocess.run([PY, "sft.py", "--model", str(lab / "base"), "--data", str(lab / "sft"),
                         "--corpus", str(lab / "sft" / "corpus.jsonl"), "--out", str(SFT_DIR), *SFT_ARGS],
                        cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    print(f"SFT model {model}: sha256 {sha256(model)}")
+    check_registered("sft", model)
+    print(f"SFT model {model}: sha256 {sha256(model)}, as registered")
     return model
+
+
+def check_registered(name: str, folder: Path) -> None:
+    if sha256(folder) != REGISTERED[name]:
+        raise SystemExit(f"error: {folder} has sha256 {sha256(folder)}, not the registered {REGISTERED[name]}: "
+                         f"delete it and rebuild on one thread (float32) with the registered code")
 
 
 def check(model: Path, questions: int = 200) -> dict:

@@ -237,6 +237,8 @@ def parser() -> OneLineParser:
     p.add_argument("--mode", nargs="+", default=["search"], choices=MODES,
                    help="search: the agent; rag: retrieve with the question, answer once; direct: no retrieval")
     p.add_argument("--retriever", default="bm25", type=ranged("text", str), help="bm25 | dense | http://host:port/retrieve")
+    p.add_argument("--retriever-timeout", type=ranged("> 0", float), default=30.0,
+                   help="with a server URL: seconds a request may take, plus 0.1 s per query")
     p.add_argument("--corpus", type=ranged("file", str), help="JSONL corpus for bm25/dense (default with --data toy: the toy corpus)")
     p.add_argument("--index", type=ranged("any", str), help="index folder (loaded, or built and saved there; default: cached)")
     p.add_argument("--on-long-prompt", default="drop", choices=rollout.ON_LONG_PROMPT,
@@ -271,7 +273,7 @@ def main(argv=None) -> None:
         retriever = None
         if set(args.mode) - {"direct"}:
             retriever = open_retriever(args.retriever, corpus=data.corpus_for(args.data, args.retriever, args.corpus),
-                                       index=args.index or None)
+                                       index=args.index or None, timeout=args.retriever_timeout)
         model, tokenizer = load_policy(resolve_model(args.model), dtype=torch.bfloat16 if args.device == "cuda" else None)
         model.to(args.device)
         # Checked at load, with the search prompt, so that every mode scores the same questions.

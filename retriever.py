@@ -61,17 +61,18 @@ CHUNK = 100_000  # passages tokenised (BM25) at a time while indexing
 ENCODE_BLOCK = 16_384  # passages encoded (dense) at a time while indexing
 
 
-def open_retriever(target: str = "bm25", corpus=None, index=None, **options):
+def open_retriever(target: str = "bm25", corpus=None, index=None, timeout: float = 30.0, **options):
     """One entry point for train.py / eval.py.
 
-    target: "bm25" | "dense" | "http://host:port[/retrieve]". corpus: JSONL path (local backends).
+    target: "bm25" | "dense" | "http://host:port[/retrieve]". timeout: a server's seconds per
+    request, plus 0.1 s per query (RetrieverClient). corpus: JSONL path (local backends).
     index: directory to load from; built and saved there when absent (dense: also a faiss file,
     e.g. Search-R1's e5_Flat.index). Without one, the index is cached under $LLDS_CACHE/index/,
     keyed by the corpus contents and the settings it is built with. options: the backend's
     settings (see BM25Retriever / DenseRetriever .build and .load).
     """
     if target.startswith(("http://", "https://")):
-        return RetrieverClient(target)
+        return RetrieverClient(target, timeout=timeout)
     if target not in ("bm25", "dense"):
         raise ValueError(f"unknown retriever {target!r}: use 'bm25', 'dense' or a server URL "
                          "such as http://127.0.0.1:8000/retrieve")

@@ -3,6 +3,8 @@ the real rollout loop, the question loaders eval.py relies on, and the three mod
 with a tiny random model on toy-world questions."""
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -231,6 +233,49 @@ def test_modes_run_on_toy_world(tiny_model, toy_bm25, mode, tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())[mode]
     assert saved["setting"] == setting and saved["all"]["n"] == 3
     assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 3
+
+
+class PyseriniHandler(BaseHTTPRequestHandler):
+    """Answers as Search-R1's BM25 server does: Pyserini hits carry title, text and contents, no id."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.posts.append(body["queries"])
+        hit = {"document": {"title": "Berlin", "text": "Berlin is the capital.",
+                            "contents": '"Berlin"\nBerlin is the capital.'}, "score": 9.5}
+        data = json.dumps({"result": [[hit] * body["topk"] for _ in body["queries"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_rag_mode_runs_against_a_server_that_returns_no_document_id(tiny_model, tmp_path):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), PyseriniHandler)
+    srv.posts = []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
+    args, cfg = ev.parse_args(["--retriever", url, "--retriever-timeout", "120", "--mode", "rag",
+                               "--topk", "2", "--max-turn-tokens", "4"])
+    try:
+        retriever = open_retriever(args.retriever, timeout=args.retriever_timeout)
+        assert retriever.timeout_for(3) == pytest.approx(120 + 0.1 * 3)
+        model, tok = tiny_model
+        records = data.load_question_sets(["toy"], "test", limit=1)
+        out = ev.evaluate(model, tok, records, retriever, "rag", cfg, batch_size=2)
+        prompt = tok.decode(ev.with_prompts(records[:1], tok, retriever, "rag", cfg)[0]["prompt_ids"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert srv.posts[:2] == [[r["question"] for r in records[:2]], [records[2]["question"]]]  # a POST per chunk
+    assert 'Doc 1(Title: "Berlin") Berlin is the capital.\nDoc 2(Title: "Berlin")' in prompt
+    assert [e["retrieved"] for e in out["examples"]] == [[None, None]] * 3
+    ev.write_outputs(tmp_path, {"rag": ({"mode": "rag"}, out)})
+    lines = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [line["retrieved"] for line in lines] == [[None, None]] * 3
 
 
 # ----------------------------------------------------------------------------------------------

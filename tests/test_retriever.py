@@ -670,6 +670,47 @@ def test_server_merges_the_requests_that_wait_into_one_search_per_topk():
                                                          for q in queries]}
 
 
+class Counted:
+    """A real backend that records the number of queries of each search call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.backend, self.corpus, self.settings = inner.backend, inner.corpus, inner.settings
+
+    def search(self, queries, topk):
+        self.calls.append(len(queries))
+        return self.inner.search(queries, topk)
+
+
+@pytest.mark.parametrize("backend", ["bm25", "dense"])
+def test_concurrent_clients_share_searches_and_get_what_one_by_one_searches_give(backend, bm25, corpus,
+                                                                                 tiny_encoder_dir):
+    inner = bm25 if backend == "bm25" else R.DenseRetriever.build(corpus, str(tiny_encoder_dir / "tiny-bert"),
+                                                                  bf16=False)
+    queries = list(QUERIES)                                        # 8 clients, one query each
+    alone = [inner.search([q], 3)[0] for q in queries]
+    counted, got, go = Counted(inner), {}, threading.Barrier(len(queries))
+
+    def client(i):
+        go.wait()                                                  # all post at once
+        r = requests.post(url + "/retrieve", json={"queries": [queries[i]], "topk": 3}, timeout=30)
+        got[i] = r.json()["result"][0]
+
+    with serving(counted, batch_window_ms=1000) as url:            # a window wide enough for a loaded CI box
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(queries))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert sum(counted.calls) == len(queries) and len(counted.calls) < len(queries)
+    for i, hits in enumerate(alone):
+        assert [h["document"] for h in got[i]] == [h["document"] for h in hits]
+        if backend == "bm25":                                      # the same sums, exactly
+            assert [h["score"] for h in got[i]] == [h["score"] for h in hits]
+        else:                                                      # a padded batch rounds differently
+            assert [h["score"] for h in got[i]] == pytest.approx([h["score"] for h in hits], abs=1e-5)
+
+
 # ---------------------------------------------------------------------------------- client
 
 
@@ -787,18 +828,3 @@ def test_client_timeout_scales_with_the_queries_of_a_request(flaky, monkeypatch)
     client = R.RetrieverClient(f"http://127.0.0.1:{flaky.server_address[1]}", timeout=5.0, per_query=0.5)
     client.search(["q"] * 600, 1)                      # two POSTs: 512 and 88 queries
     assert sent == [5.0 + 0.5 * 512, 5.0 + 0.5 * 88]
-
-
-def test_rag_prompts_take_hits_without_a_document_id():
-    import eval as ev
-
-    class NoIds:                                       # Search-R1's Pyserini server sends no "id"
-        def search(self, queries, topk):
-            return [[{"document": {"contents": '"Berlin"\nBerlin is the capital.'}}] for _ in queries]
-
-    from plumbing.models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    records = ev.with_prompts([{"id": "q", "question": "Capital?", "golds": ["Berlin"], "data_source": "nq"}],
-                              tok, NoIds(), "rag", ev.EVAL)
-    assert records[0]["retrieved"] == [None] and "Berlin is the capital." in tok.decode(records[0]["prompt_ids"])

@@ -20,7 +20,9 @@ The scale series: for each size, every phase in its own process (so its peak RSS
   size) in 100k blocks: build, load (memory-mapped) and queries/s at batch 1 and 128; queries are
   indexed vectors plus noise, and HNSW's recall@3 is measured against the flat index's exact top-3.
 Results are merged into <out>/scale.json, so tiers can run one at a time (--skip-build measures
-the indexes an earlier run built). Each phase's load average, before and after, is recorded with it.
+the indexes an earlier run built). Each phase records its load average, before and after, and
+beside each wall time the CPU seconds of its threads: what the work costs on a box shared with
+other jobs, where the wall time is what it took beside them.
 """
 
 import argparse
@@ -95,6 +97,14 @@ def timed(fn):
     t = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t
+
+
+def clocked(fn):
+    """(fn(), wall seconds, CPU seconds of this process's threads): on a shared box the CPU time is
+    what the work costs, the wall time what it took beside the other jobs."""
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t, time.process_time() - c
 
 
 def throughput(retriever, queries, src, batch=64):
@@ -236,10 +246,10 @@ def default_run(args, out: Path):
 def phase_bm25_build(n, out: Path, args) -> dict:
     corpus = R.load_corpus(out / f"corpus-{n}.jsonl")  # the store exists: made by the parent
     peak = PeakAnon()
-    retriever, t_build = timed(lambda: R.BM25Retriever.build(corpus))
+    retriever, t_build, cpu_build = clocked(lambda: R.BM25Retriever.build(corpus))
     _, t_save = timed(lambda: retriever.save(out / f"bm25-{n}"))
     size = sum(f.stat().st_size for f in (out / f"bm25-{n}").iterdir())
-    return {"build_s": t_build, "save_s": t_save, "peak_anon_mb": peak.done(), "peak_rss_mb": memory_mb()["VmHWM"],
+    return {"build_s": t_build, "build_cpu_s": cpu_build, "save_s": t_save, "peak_anon_mb": peak.done(), "peak_rss_mb": memory_mb()["VmHWM"],
             "index_mb": size / 1e6, "nnz": int(retriever.scores["indptr"][-1])}
 
 
@@ -253,18 +263,20 @@ def phase_bm25_query(n, out: Path, args) -> dict:
     queries, src = make_queries(corpus, 1024 + 200)
     read_into_page_cache(out / f"bm25-{n}")
     retriever.search(make_queries(corpus, 128, seed=3)[0], 3)  # warm-up
-    one = len(queries[:200]) / timed(lambda: [retriever.search([q], 3) for q in queries[:200]])[1]
-    qps, hit1 = throughput(retriever, queries[200:], src[200:], batch=128)
+    _, t_one, cpu_one = clocked(lambda: [retriever.search([q], 3) for q in queries[:200]])
+    (qps, hit1), _, cpu_batch = clocked(lambda: throughput(retriever, queries[200:], src[200:], batch=128))
     after = memory_mb()
     # bm25s's own multi-threaded retrieve on the same files and token ids, 256 queries in one call
     ref = bm25s.BM25.load(str(out / f"bm25-{n}"), mmap=True, show_progress=False)
     ids = retriever.tokenizer.tokenize(queries[200:456], update_vocab=False, show_progress=False)
-    (docs, _), t_ref = timed(lambda: ref.retrieve(ids, k=3, n_threads=args.threads or os.cpu_count(),
+    (docs, _), t_ref, cpu_ref = clocked(lambda: ref.retrieve(ids, k=3, n_threads=args.threads or os.cpu_count(),
                                                   show_progress=False))
     ours = [[int(h["document"]["id"]) for h in hits] for hits in retriever.search(queries[200:456], 3)]
     return {"load_s": t_load, "rss_load_mb": at_load["VmRSS"], "anon_load_mb": at_load["RssAnon"],
-            "qps_batch1": one, "qps_batch128": qps, "hit1": hit1, "rss_after_mb": after["VmRSS"],
+            "qps_batch1": 200 / t_one, "qps_batch128": qps, "hit1": hit1, "rss_after_mb": after["VmRSS"],
+            "cpu_ms_per_query_batch1": 1000 * cpu_one / 200, "cpu_ms_per_query_batch128": 1000 * cpu_batch / 1024,
             "anon_after_mb": after["RssAnon"], "bm25s_retrieve_qps": 256 / t_ref,
+            "bm25s_retrieve_cpu_ms_per_query": 1000 * cpu_ref / 256,
             "bm25s_same_top1": float(np.mean([o[0] == d[0] for o, d in zip(ours, docs.tolist())]))}
 
 
@@ -273,13 +285,15 @@ def phase_encoder(n, out: Path, args) -> dict:
     enc = R.Encoder(device="cpu")
     texts = corpus.contents(0, args.encode_sample)
     enc.encode(texts[:64], "passage")  # warm-up
-    _, t_pass = timed(lambda: enc.encode(texts, "passage"))
+    _, t_pass, cpu_pass = clocked(lambda: enc.encode(texts, "passage"))
     queries, _ = make_queries(corpus, 64 + 512)
-    _, t_one = timed(lambda: [enc.encode([q], "query") for q in queries[:64]])
+    _, t_one, cpu_one = clocked(lambda: [enc.encode([q], "query") for q in queries[:64]])
     enc.batch_size = 128
-    _, t_batch = timed(lambda: [enc.encode(queries[s:s + 128], "query") for s in range(64, 64 + 512, 128)])
-    return {"passages_per_s": len(texts) / t_pass, "sample": len(texts), "bf16": enc.bf16,
-            "queries_per_s_batch1": 64 / t_one, "queries_per_s_batch128": 512 / t_batch}
+    _, t_batch, cpu_batch = clocked(lambda: [enc.encode(queries[s:s + 128], "query") for s in range(64, 64 + 512, 128)])
+    return {"passages_per_s": len(texts) / t_pass, "passages_per_cpu_s": len(texts) / cpu_pass,
+            "sample": len(texts), "bf16": enc.bf16,
+            "queries_per_s_batch1": 64 / t_one, "queries_per_s_batch128": 512 / t_batch,
+            "cpu_ms_per_query_batch1": 1000 * cpu_one / 64, "cpu_ms_per_query_batch128": 1000 * cpu_batch / 512}
 
 
 def vector_block(n: int, block: int, seed: int = 0) -> np.ndarray:
@@ -316,10 +330,10 @@ def phase_faiss_build(n, out: Path, args, kind: str) -> dict:
     peak = PeakAnon()
     index = dense_index.new_index(DIM, FAISS_TYPES[kind])
     blocks = (vector_block(n, b) for b in range((n + VECTOR_BLOCK - 1) // VECTOR_BLOCK))
-    _, t_build = timed(lambda: dense_index.add_streamed(index, blocks, n))
+    _, t_build, cpu_build = clocked(lambda: dense_index.add_streamed(index, blocks, n))
     path = out / f"{kind}-{n}.faiss"
     _, t_save = timed(lambda: faiss.write_index(index, str(path)))
-    return {"build_s": t_build, "save_s": t_save, "peak_anon_mb": peak.done(), "peak_rss_mb": memory_mb()["VmHWM"],
+    return {"build_s": t_build, "build_cpu_s": cpu_build, "save_s": t_save, "peak_anon_mb": peak.done(), "peak_rss_mb": memory_mb()["VmHWM"],
             "index_mb": path.stat().st_size / 1e6}
 
 
@@ -333,11 +347,13 @@ def phase_faiss_query(n, out: Path, args, kind: str) -> dict:
     q, src = vector_queries(n, 128 * args.batches + args.singles)
     read_into_page_cache(out / f"{kind}-{n}.faiss")
     index.search(q[args.singles:args.singles + 128], 3)  # warm-up
-    _, t_one = timed(lambda: [index.search(q[i:i + 1], 3) for i in range(args.singles)])
-    (_, ids), t_batch = timed(lambda: index.search(q[args.singles:], 3))
+    _, t_one, cpu_one = clocked(lambda: [index.search(q[i:i + 1], 3) for i in range(args.singles)])
+    (_, ids), t_batch, cpu_batch = clocked(lambda: index.search(q[args.singles:], 3))
     result = {"load_s": t_load, "rss_load_mb": at_load["VmRSS"], "anon_load_mb": at_load["RssAnon"],
               "queries": [args.singles, len(q[args.singles:])],
               "qps_batch1": args.singles / t_one, "qps_batch128": len(q[args.singles:]) / t_batch,
+              "cpu_ms_per_query_batch1": 1000 * cpu_one / args.singles,
+              "cpu_ms_per_query_batch128": 1000 * cpu_batch / len(q[args.singles:]),
               "hit1": float(np.mean(ids[:, 0] == src[args.singles:])), "rss_after_mb": memory_mb()["VmRSS"]}
     flat = out / f"flat-{n}.faiss"
     if kind == "hnsw" and flat.is_file():  # recall@3 against the exact top-3 of the same vectors

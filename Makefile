@@ -22,6 +22,7 @@ setup: .venv/done
 
 train: .venv/done
 	$(PY) train.py $(ARGS)
+	@echo "the death spiral itself, plain GRPO against GRPO + LLDS: make lab-demo (one pair, about 20 min)$(if $(LAB_CELL),,$(LAB_WAIT))"
 
 test: .venv/done .venv/test-done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
@@ -31,7 +32,7 @@ test: .venv/done .venv/test-done .venv/verl-done
 # Both arms pass --resume: a killed comparison continues where it stopped, a finished one is redrawn.
 # The setting gives plain GRPO room to displace: 8 updates per rollout batch at lr 5e-5.
 SEED ?= 0
-COMPARE ?= --mini-batch-size 4 --lr 5e-5 --steps 20 --eval-every 5 --eval-size 30 --ckpt-every 1 --topk 3
+COMPARE ?= --group-size 4 --mini-batch-size 4 --lr 5e-5 --steps 20 --eval-every 5 --eval-size 30 --ckpt-every 1 --topk 3
 compare: .venv/done
 	$(PY) train.py --name compare-grpo-s$(SEED) --seed $(SEED) --no-llds --resume $(COMPARE) $(ARGS)
 	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)
@@ -46,6 +47,7 @@ study: .venv/done
 # The LLD lab (docs/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
 # GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in docs/lab/.
 LAB_CELL ?= $(shell $(PY) bench/lab_study.py pilot docs/lab/pilot --chosen 2>/dev/null)
+LAB_WAIT := , once the LLD lab's pilot has chosen its setting (where it stands: $(PY) bench/lab_study.py pilot docs/lab/pilot)
 lab: .venv/done
 	$(PY) bench/lab_runs.py sft
 	$(PY) bench/lab_runs.py pilot

@@ -73,13 +73,13 @@ class Config:
     max_context: int = 4096            # prompt + turns + observations [>= 2]
     temperature: float = 0.7           # rollout sampling temperature, log-probs too (paper: 1.0); held-out EM is greedy [> 0]
     top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off [> 0, <= 1]
-    steps: int = 4                     # training steps (one rollout batch each) [>= 1]
+    steps: int = 3                     # training steps (one rollout batch each) [>= 1]
     prompts_per_step: int = 8          # questions per step [>= 1]
-    group_size: int = 4                # rollouts per question (the GRPO group G, compared with each other) [>= 2]
+    group_size: int = 8                # rollouts per question (the GRPO group G; paper: 5): 8 let a rare right answer show [>= 2]
     drop_tied_groups: int = 0          # redraw the prompts of groups whose rewards all tie, up to N extra rollout rounds a step (DAPO); 0 = off [>= 0]
-    mini_batch_size: int = 16          # trajectories per optimizer step; < prompts x G gives several updates per step [>= 1]
+    mini_batch_size: int = 32          # trajectories per optimizer step; < prompts x G gives several updates per step [>= 1]
     micro_batch_size: int = 4          # trajectories per forward/backward (gradient accumulation; 8 peaks near 8 GB on CPU) [>= 1]
-    lr: float = 2e-5                   # AdamW learning rate (paper: 1e-6 for 3B over 1005 steps) [>= 0]
+    lr: float = 5e-5                   # AdamW learning rate (paper: 1e-6 for 3B over 1005 steps) [>= 0]
     warmup_ratio: float = 0.1          # linear warm-up over this fraction of the steps, then constant [0..1]
     weight_decay: float = 0.01         # AdamW weight decay [>= 0]
     grad_clip: float = 1.0             # gradient-norm clip; a step with a non-finite norm is skipped [> 0]
@@ -92,12 +92,12 @@ class Config:
     llds_reduction: str = "token-mean"  # LLDS normaliser: token-mean (authors' code) or seq-mean (paper eq. 4) [choice]
     answer_weight: str = "1.0"         # LLDS-MA weight of the final answer span: a number, or "adaptive" = min(V/2, 1) [any]
     displacement_every: int = 1        # measure correct-response displacement every N steps (one extra forward); 0 = never [>= 0]
-    token_view_every: int = 10         # write <run>/views/step_N.html and .jsonl (each token's change) every N steps; 0 = never [>= 0]
+    token_view_every: int = 10         # write <run>/views/step_N.html and .jsonl (each token's change) every N steps and at the last; 0 = never [>= 0]
     samples_per_step: int = 4          # trajectories saved as text per step in <run>/samples/ [>= 0]
     spiral_window: int = 5             # warn when correct-response log-lik falls this many steps in a row [>= 1]
     spiral_grad_factor: float = 10.0   # warn when the grad norm exceeds this times its running median [> 0]
     eval_every: int = 0                # held-out evaluation every N steps; 0 = only before and after training [>= 0]
-    eval_size: int = 50                # held-out questions (fixed subset, greedy decoding); 0 = no evaluation [>= 0]
+    eval_size: int = 100               # held-out questions (fixed subset, greedy decoding); 0 = no evaluation [>= 0]
     eval_samples: int = 0              # also sample each held-out question this many times at --temperature (eval/em_sampled) [>= 0]
     eval_max_turns: int = 2            # search turns at evaluation (paper: 4) [>= 0]
     ckpt_every: int = 5                # checkpoint every N steps (and always at the end); 0 = only at the end [>= 0]
@@ -345,7 +345,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
                **runs.update_stats(logged, norms), "entropy": masked_mean(old_entropy, out.loss_mask).item(),
                "llds/answer_weight": beta, "lld/displacement_correct": None, "lld/frac_correct_fell": None,
                "rollout/redrawn_groups": redrawn}
-    view = cfg.token_view_every and step % cfg.token_view_every == 0
+    view = cfg.token_view_every and (step % cfg.token_view_every == 0 or step == cfg.steps)
     if view or (cfg.displacement_every and step % cfg.displacement_every == 0):
         with phases("logprob", release=False):
             lld, change = displacement(model, batch, minibatches, rewards > 0, batch["old_logp"], cfg, device, view)

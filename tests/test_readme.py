@@ -39,7 +39,7 @@ def test_readme_is_short_and_gives_the_two_commands():
 
 SCRIPTS = ["train.py", "eval.py", "retriever.py", "data.py", "bench/lld_study.py", "bench/lld_table.py",
            "bench/same_run.py", "bench/bench_llds.py", "bench/bench_rollout.py", "bench/bench_retriever.py",
-           "bench/bench_decode.py", "sft.py", "bench/lab_runs.py", "bench/lab_study.py"]
+           "bench/bench_decode.py", "sft.py", "bench/lab_runs.py", "bench/lab_study.py", "bench/demo_seeds.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -35,6 +35,11 @@ def test_token_changes_sum_to_the_logged_displacement(tmp_path, alternating_rewa
     assert 'href="step_0001.html"' in index and 'href="step_0002.html"' in index
 
 
+def test_the_last_step_has_a_view_between_every_nth(tmp_path):
+    train.train(tiny_config(tmp_path, steps=2, token_view_every=10, eval_size=0), *tiny_policy())
+    assert sorted(p.name for p in (tmp_path / "run" / "views").glob("step_*.html")) == ["step_0002.html"]
+
+
 def test_no_view_is_written_when_off(tmp_path):
     train.train(tiny_config(tmp_path, steps=1, token_view_every=0, eval_size=0), *tiny_policy())
     assert not (tmp_path / "run" / "views").exists()

@@ -20,7 +20,7 @@ At Wikipedia scale (wiki-18: 21M passages of 100 words): the corpus is memory-ma
 Python list (plumbing/corpus.py); the BM25 index is built a chunk of passages at a time and
 memory-mapped at load (plumbing/bm25_index.py); passage vectors go into faiss as they are encoded
 and faiss memory-maps the index at load (plumbing/dense_index.py). docs/benchmarks.md measures 100k
-to 5M passages and says what 21M needs.
+and 1M passages and says what 21M needs.
 
 Simplified on purpose:
 - BM25 defaults to k1 = 1.5, b = 0.75 and no stemming (English stopwords only); Search-R1's

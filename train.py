@@ -63,9 +63,10 @@ class Config:
     corpus: str = ""                   # JSONL corpus of an in-process retriever; "" = the toy world's [file]
     retriever: str = "bm25"            # "bm25", "dense" or a Search-R1 server URL http://host:port/retrieve [any]
     index: str = ""                    # retriever index folder (built there when absent); "" = cache [any]
+    retriever_timeout: float = 30.0    # a retriever server's seconds per request, plus 0.1 s per query [> 0]
     template: str = "fewshot"          # prompt: "fewshot" (small models) or "search-r1" (the paper's) [choice]
     max_turns: int = 2                 # search turns per episode in training (one answer-only turn follows) [>= 0]
-    topk: int = 1                      # passages per search (paper: 3; 1 keeps the CPU demo within 15 min on AVX2) [>= 0]
+    topk: int = 1                      # passages per search (paper: 3; 1 keeps the CPU demo short) [>= 0]
     max_turn_tokens: int = 32          # sampled tokens per turn (paper: 500) [>= 1]
     max_obs_tokens: int = 200          # tokens per observation (paper: 500) [>= 1]
     max_prompt_tokens: int = 2048      # longer prompts (few-shot template included) are dropped at load [>= 1]
@@ -429,7 +430,7 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     memory_plan.check(cfg, device, model, prompts)   # one line; stops here, naming the flag, when the run cannot fit
     run_dir = runs.start_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume, cfg.seed)   # also: allocator settings, seeds
     corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
-    retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None)
+    retriever = retrieval.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None, timeout=cfg.retriever_timeout)
     # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume.
     ref = reference_copy(model, reference_in_bf16(device, cfg.bf16)).to(device) if cfg.kl_coef > 0 else None
     place_for_training(model, device, cfg.grad_checkpointing)

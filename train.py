@@ -76,7 +76,7 @@ class Config:
     top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off [> 0, <= 1]
     steps: int = 4                     # training steps (one rollout batch each) [>= 1]
     prompts_per_step: int = 8          # questions per step [>= 1]
-    group_size: int = 8                # rollouts per question (the GRPO group G; paper: 5): 8 let a rare right answer show [>= 2]
+    group_size: int = 8                # rollouts per question (the GRPO group G; paper: 5): 8 lets a rare right answer show [>= 2]
     drop_tied_groups: int = 0          # redraw the prompts of groups whose rewards all tie, up to N extra rollout rounds a step (DAPO); 0 = off [>= 0]
     mini_batch_size: int = 32          # trajectories per optimizer step; < prompts x G gives several updates per step [>= 1]
     micro_batch_size: int = 4          # trajectories per forward/backward (gradient accumulation; 8 peaks near 8 GB on CPU) [>= 1]

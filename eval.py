@@ -237,8 +237,7 @@ def parser() -> OneLineParser:
     p.add_argument("--mode", nargs="+", default=["search"], choices=MODES,
                    help="search: the agent; rag: retrieve with the question, answer once; direct: no retrieval")
     p.add_argument("--retriever", default="bm25", type=ranged("text", str), help="bm25 | dense | http://host:port/retrieve")
-    p.add_argument("--retriever-timeout", type=ranged("> 0", float), default=30.0,
-                   help="with a server URL: seconds a request may take, plus 0.1 s per query")
+    p.add_argument("--retriever-timeout", type=ranged("> 0", float), default=30.0, help="server: seconds a request, + 0.1 s a query")
     p.add_argument("--corpus", type=ranged("file", str), help="JSONL corpus for bm25/dense (default with --data toy: the toy corpus)")
     p.add_argument("--index", type=ranged("any", str), help="index folder (loaded, or built and saved there; default: cached)")
     p.add_argument("--on-long-prompt", default="drop", choices=rollout.ON_LONG_PROMPT,
@@ -270,10 +269,8 @@ def main(argv=None) -> None:
         records = data.load_question_sets(args.data, args.split, args.limit)
         if not records:
             raise ValueError(f"no questions found in {args.data}")
-        retriever = None
-        if set(args.mode) - {"direct"}:
-            retriever = open_retriever(args.retriever, corpus=data.corpus_for(args.data, args.retriever, args.corpus),
-                                       index=args.index or None, timeout=args.retriever_timeout)
+        retriever = open_retriever(args.retriever, corpus=data.corpus_for(args.data, args.retriever, args.corpus),
+                                   index=args.index or None, timeout=args.retriever_timeout) if set(args.mode) - {"direct"} else None
         model, tokenizer = load_policy(resolve_model(args.model), dtype=torch.bfloat16 if args.device == "cuda" else None)
         model.to(args.device)
         # Checked at load, with the search prompt, so that every mode scores the same questions.

@@ -32,7 +32,7 @@ test: .venv/done .venv/test-done .venv/verl-done
 # Both arms pass --resume: a killed comparison continues where it stopped, a finished one is redrawn.
 # The setting gives plain GRPO room to displace: 8 updates per rollout batch at lr 5e-5.
 SEED ?= 0
-COMPARE ?= --group-size 4 --mini-batch-size 4 --lr 5e-5 --steps 20 --eval-every 5 --eval-size 30 --ckpt-every 1 --topk 3
+COMPARE ?= --group-size 4 --drop-tied-groups 0 --rollout-batch-size 64 --mini-batch-size 4 --lr 5e-5 --steps 20 --eval-every 5 --eval-size 30 --ckpt-every 1 --topk 3
 compare: .venv/done
 	$(PY) train.py --name compare-grpo-s$(SEED) --seed $(SEED) --no-llds --resume $(COMPARE) $(ARGS)
 	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)

@@ -77,7 +77,7 @@ class Config:
     steps: int = 4                     # training steps (one rollout batch each) [>= 1]
     prompts_per_step: int = 8          # questions per step [>= 1]
     group_size: int = 8                # rollouts per question (the GRPO group G; paper: 5): 8 lets a rare right answer show [>= 2]
-    drop_tied_groups: int = 0          # redraw the prompts of groups whose rewards all tie, up to N extra rollout rounds a step (DAPO); 0 = off [>= 0]
+    drop_tied_groups: int = 1          # redraw the prompts of groups whose rewards all tie, up to N extra rollout rounds a step (DAPO); 0 = off [>= 0]
     mini_batch_size: int = 32          # trajectories per optimizer step; < prompts x G gives several updates per step [>= 1]
     micro_batch_size: int = 4          # trajectories per forward/backward (gradient accumulation; 8 peaks near 8 GB on CPU) [>= 1]
     lr: float = 5e-5                   # AdamW learning rate (paper: 1e-6 for 3B over 1005 steps) [>= 0]
@@ -103,7 +103,7 @@ class Config:
     eval_max_turns: int = 2            # search turns at evaluation (paper: 4) [>= 0]
     ckpt_every: int = 5                # checkpoint every N steps (and always at the end); 0 = only at the end [>= 0]
     keep_ckpts: int = 2                # checkpoints kept on disk (older ones are deleted) [>= 1]
-    rollout_batch_size: int = 64       # episodes generated together [>= 1]
+    rollout_batch_size: int = 100      # episodes generated together (100: the demo's evaluation in one batch) [>= 1]
     device: str = "auto"               # auto (cuda if available), cuda or cpu [choice]
     bf16: bool = True                  # bf16 autocast (fp32 weights) where the device supports it
     grad_checkpointing: bool = False   # recompute activations in backward (GPU memory for long contexts)
@@ -120,10 +120,10 @@ PRESETS = dict(presets.GPU_PRESETS)
 PRESETS["lab"] = dict(
     data=str(lab_dir() / "rl"), corpus=str(lab_dir() / "corpus.jsonl"), template="search-r1", max_turns=2,
     topk=3, max_turn_tokens=24, max_obs_tokens=200, temperature=1.0, steps=300, prompts_per_step=8,
-    group_size=5, micro_batch_size=10, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001,
-    grad_clip=1.0, llds_lambda=0.2, llds_gate="action", llds_reduction="token-mean", eval_every=50,
-    eval_size=100, eval_samples=4, eval_max_turns=2, ckpt_every=25, keep_ckpts=1, samples_per_step=2, bf16=False,
-    token_view_every=50)
+    group_size=5, drop_tied_groups=0, micro_batch_size=10, rollout_batch_size=64, warmup_ratio=0.285, clip_eps=0.2,
+    kl_coef=0.001, entropy_coef=0.001, grad_clip=1.0, llds_lambda=0.2, llds_gate="action", llds_reduction="token-mean",
+    eval_every=50, eval_size=100, eval_samples=4, eval_max_turns=2, ckpt_every=25, keep_ckpts=1, samples_per_step=2,
+    bf16=False, token_view_every=50)
 
 # The values of each [choice] field; check_config refuses any other before a model is loaded.
 CHOICES = {"template": rollout.TEMPLATES, "on_long_prompt": rollout.ON_LONG_PROMPT, "llds_gate": GATES,
@@ -245,7 +245,7 @@ def batch_logprobs(model, batch, minibatches, cfg, device) -> tuple[torch.Tensor
     -> (logp, entropy): (N, T) float32 on the CPU, aligned with batch["input_ids"]."""
     n, t = batch["input_ids"].shape
     logp, ent = torch.zeros(n, t), torch.zeros(n, t)
-    prefix_store = fast_hf.PrefixStore()              # fixed weights: the few-shot prefix runs once per pass
+    prefix_store = fast_hf.PrefixStore(batch["input_ids"], batch["attention_mask"])   # the prefix runs once per pass
     for micro in (mu for mb in minibatches for mu in mb):
         r = micro_batch(batch, micro, device)
         with fast_hf.autocast(device, cfg.bf16):
@@ -299,7 +299,7 @@ def train_step(step, cfg, model, tokenizer, ref, optimizer, sampler, retriever, 
     with phases("update"):
         for i, mini in enumerate(phases.each(minibatches, "mini-batch")):
             optimizer.zero_grad(set_to_none=True)
-            prefix = fast_hf.PrefixStore()            # the few-shot prefix runs once per mini-batch
+            prefix = fast_hf.PrefixStore(batch["input_ids"], batch["attention_mask"])   # once per mini-batch
             idx = torch.cat(mini)
             mini_tokens = batch["loss_mask"][idx].sum().clamp(min=1)
             mini_preserving = preserving_responses(batch["advantages"][idx], batch["loss_mask"][idx]).sum().clamp(min=1)

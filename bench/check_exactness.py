@@ -48,7 +48,8 @@ def main():
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
             model.train()
-            diffs, prefix = [], fast_hf.PrefixStore()          # as train.py's update: one prefix run per mini-batch
+            # as train.py's update: one prefix run per mini-batch
+            diffs, prefix = [], fast_hf.PrefixStore(batch["input_ids"], batch["attention_mask"])
             for micro in (mu for mb in plan for mu in mb):
                 r = train.micro_batch(batch, micro, cpu)
                 with fast_hf.autocast(cpu, cfg.bf16):

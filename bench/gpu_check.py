@@ -22,8 +22,9 @@ responses live.
 Per phase: the peak of allocated and reserved memory, against the memory plan for these episodes as
 they ran (without AdamW's moments in the rollout: the first update creates them); decode tokens per
 second. One table at the end. On a CPU (--smoke) memory is RSS above what the plan does not count
-(libraries, data, index), and the step runs twice, the second measured: a CPU's first step grows
-the process by runtime caches the plan does not count either.
+(libraries, data, index), with glibc unmapping every freed block over 64 KiB so that RSS follows
+the live tensors, and the step runs twice, the second measured: a CPU's first step grows the
+process by runtime caches the plan does not count either.
 
     python bench/gpu_check.py             # one GPU: Qwen2.5-3B, the one-gpu-3b preset for the card's memory
     python bench/gpu_check.py --model qwen2.5-0.5b-instruct --preset one-gpu-0.5b-80gb
@@ -149,7 +150,7 @@ def main(argv=None) -> dict:
     rows = n_prompts * base.group_size                # even: two mini-batches
     turn = args.turn_tokens or (24 if args.smoke else base.max_turn_tokens)
     timing, results = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, memory.rss_follows_live_tensors(device):
         tmp = Path(tmp)
         peaks = PhasePeaks(device)
         start = time.perf_counter()

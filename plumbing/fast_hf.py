@@ -215,6 +215,11 @@ class PrefixStore:
     """The few-shot prefix's last hidden states and keys/values, run once per pass at fixed
     weights (a no-grad pass, or the micro-batches of one mini-batch) and reused by every
     micro-batch: the very tensors a forward would give, so every forward number is the same.
+    Built from the step's rows (input_ids, attention_mask (N, T)), it holds only the prefix ALL
+    of them share: a micro-batch of one question's rows would otherwise run (and, with grad,
+    keep) its own longer prefix, one graph per micro-batch until `backward()` (1.4-2x the planned
+    update memory). Every pass of a step builds it from the same rows, so each micro-batch splits
+    at the same column in all of them, which keeps old and update log-probs equal bit for bit.
 
     With grad, each micro-batch's backward stops at leaves that collect the prefix's gradient,
     and `backward()` (once, before the optimizer step) runs the prefix's own backward with their
@@ -222,7 +227,8 @@ class PrefixStore:
     another order.
     """
 
-    def __init__(self):
+    def __init__(self, input_ids=None, attention_mask=None):
+        self.limit = shared_prefix_len(input_ids, attention_mask) if input_ids is not None else None
         self.prefixes = {}             # prefix ids -> (hidden (1, p, H), [(keys, values)] per layer)
         self.graphs = []               # (outputs, their leaves) whose backward is still to run
 
@@ -267,6 +273,8 @@ def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_st
     """
     n, length = input_ids.shape
     p = min(shared_prefix_len(input_ids, attention_mask), length - 1)
+    if prefix_store is not None and prefix_store.limit is not None:
+        p = min(p, prefix_store.limit)                # the prefix every row of the step shares
     if not share_prefix or n == 1 or p < 16:
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 use_cache=False).last_hidden_state

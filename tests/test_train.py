@@ -202,12 +202,17 @@ def test_prefix_store_runs_the_prefix_once_and_changes_no_number():
 
 
 def test_prefix_store_with_grad_runs_the_prefix_once_and_gives_the_same_gradients():
-    """One mini-batch of three micro-batches: with a PrefixStore the prefix runs forward once
-    and backward once (with the summed gradient); the forward values are bit for bit those of a
-    prefix run per micro-batch and the parameter gradients are the same sums."""
+    """One mini-batch of three micro-batches, each one question's rows (their common prefix runs 6
+    tokens past the few-shot prompt): a PrefixStore of the step's rows runs the prompt all rows
+    share forward once and backward once (with the summed gradient), not one longer prefix per
+    micro-batch kept until backward(); the forward values are bit for bit those of a no-grad pass
+    with a store of the same rows, and the parameter gradients are the sums of a prefix run per
+    micro-batch."""
     model, _ = tiny_policy()
     prefix = torch.randint(0, 250, (20,))
-    batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1) for _ in range(3)]
+    batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (1, 6)).expand(3, -1),
+                          torch.randint(0, 250, (3, 9))], 1) for _ in range(3)]
+    step_rows = torch.cat(batches)
 
     def mini_batch(store):
         model.zero_grad()
@@ -218,13 +223,18 @@ def test_prefix_store_with_grad_runs_the_prefix_once_and_gives_the_same_gradient
             hiddens.append(hidden.detach())
         if store is not None:
             assert len(store.graphs) == 1                 # one prefix forward for the three micro-batches
+            assert store.graphs[0][0][0].shape[1] == 20   # the prompt all rows share, not a question's rows
             store.backward()
         return hiddens, [p.grad.clone() for p in model.base_model.parameters()]
 
     plain, plain_grads = mini_batch(None)
-    stored, stored_grads = mini_batch(fast_hf.PrefixStore())
-    for a, b in zip(plain, stored):
-        assert torch.equal(a, b)
+    stored, stored_grads = mini_batch(fast_hf.PrefixStore(step_rows, torch.ones_like(step_rows)))
+    with torch.no_grad():                             # the old-log-prob pass of the same step's rows
+        store = fast_hf.PrefixStore(step_rows, torch.ones_like(step_rows))
+        old = [fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store) for ids in batches]
+    for a, b, c in zip(plain, stored, old):
+        assert torch.equal(b, c)                      # bit for bit: both split every micro-batch at column 20
+        torch.testing.assert_close(a, b)              # the plain path splits at 26: other rounding
     for g, h in zip(stored_grads, plain_grads):
         torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)
     assert any(g.abs().sum() > 0 for g in stored_grads[:3])   # the embedding gets the prefix's gradient

@@ -74,7 +74,7 @@ class Config:
     max_context: int = 4096            # prompt + turns + observations [>= 2]
     temperature: float = 0.7           # rollout sampling temperature, log-probs too (paper: 1.0); held-out EM is greedy [> 0]
     top_p: float = 1.0                 # nucleus sampling of the rollouts; 1.0 = off [> 0, <= 1]
-    steps: int = 4                     # training steps (one rollout batch each) [>= 1]
+    steps: int = 6                     # training steps (one rollout batch each) [>= 1]
     prompts_per_step: int = 8          # questions per step [>= 1]
     group_size: int = 8                # rollouts per question (the GRPO group G; paper: 5): 8 lets a rare right answer show [>= 2]
     drop_tied_groups: int = 1          # redraw the prompts of groups whose rewards all tie, up to N extra rollout rounds a step (DAPO); 0 = off [>= 0]

@@ -227,8 +227,8 @@ class PrefixStore:
     another order.
     """
 
-    def __init__(self, input_ids=None, attention_mask=None):
-        self.limit = shared_prefix_len(input_ids, attention_mask) if input_ids is not None else None
+    def __init__(self, input_ids, attention_mask):
+        self.limit = shared_prefix_len(input_ids, attention_mask)    # columns every row of the step shares
         self.prefixes = {}             # prefix ids -> (hidden (1, p, H), [(keys, values)] per layer)
         self.graphs = []               # (outputs, their leaves) whose backward is still to run
 
@@ -272,9 +272,7 @@ def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_st
     prefix_store: a PrefixStore, with which the micro-batches of one pass share one prefix run.
     """
     n, length = input_ids.shape
-    p = min(shared_prefix_len(input_ids, attention_mask), length - 1)
-    if prefix_store is not None and prefix_store.limit is not None:
-        p = min(p, prefix_store.limit)                # the prefix every row of the step shares
+    p = min(shared_prefix_len(input_ids, attention_mask), length - 1, prefix_store.limit if prefix_store else length)
     if not share_prefix or n == 1 or p < 16:
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 use_cache=False).last_hidden_state

@@ -193,7 +193,8 @@ def test_prefix_store_runs_the_prefix_once_and_changes_no_number():
     with torch.no_grad():
         plain = [fast_hf.hidden_states(model, ids, torch.ones_like(ids)) for ids in batches]
         n_plain, calls[:] = len(calls), []
-        store = fast_hf.PrefixStore()
+        rows = torch.cat(batches)
+        store = fast_hf.PrefixStore(rows, torch.ones_like(rows))
         stored = [fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store) for ids in batches]
     hook.remove()
     assert n_plain == 6 and len(calls) == 4           # prefix + rest per batch, then the prefix only once

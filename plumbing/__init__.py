@@ -35,6 +35,7 @@ anything: each module says what it speeds up or takes care of.
                   GPU; an encoder folder's pooling and prompts
     server.py     the hardened HTTP server behind `retriever.py serve` (concurrent requests
                   batched into one search), and the query rules every retriever backend shares
+    retriever_cli.py  `retriever.py index | search | serve`: the flags and what each command runs
     reports.py    eval.py's tables and output files
     long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load, or
                   refused by rollout()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.memory import release_memory, reuse_freed_memory
+from plumbing.memory import bound_onednn_caches, release_memory, reuse_freed_memory
 
 
 @dataclass
@@ -40,10 +40,13 @@ class Run:
 def pick_device(name: str) -> torch.device:
     """--device auto, cuda or cpu -> the device (auto: cuda when torch sees a GPU). On CUDA, before
     the allocator starts: expandable segments (unless the user set PYTORCH_CUDA_ALLOC_CONF), so the
-    changing shapes of KV buffers and micro-batches do not fragment the memory into an OOM."""
+    changing shapes of KV buffers and micro-batches do not fragment the memory into an OOM. On a
+    CPU, before the first matmul: oneDNN's caches bounded (bound_onednn_caches)."""
     device = torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
     if device.type == "cuda":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    else:
+        bound_onednn_caches()
     return device
 
 

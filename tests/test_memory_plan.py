@@ -3,6 +3,9 @@ Qwen2.5's parameter counts from their configs (bench/configs/), the KV cache of 
 and a run that cannot fit stopping at once in one line that names the flag to change."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +165,39 @@ def test_the_step_time_estimate_by_hand():
     passes = 3 + 1 + (1 - 32 / 320) + 1 + 1 / 10                          # fwd+bwd, recompute, old, ref, displacement
     assert t["training"] == pytest.approx(forward * passes / (0.35 * 989e12))
     assert t["step"] == pytest.approx(t["rollout"] + t["training"]) and 5 * 60 < t["step"] < 8 * 60
+
+
+
+ONEDNN_PROBE = """
+import os, sys, torch
+from plumbing import fast_hf, runs
+if sys.argv[1] == "bounded":
+    runs.pick_device("cpu")                                         # what every train.py run does first
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+torch.set_num_threads(1)
+w, x = torch.randn(1536, 576), torch.randn(600, 576)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    torch.nn.functional.linear(x[:1], w)
+    before = rss()
+    for rows in range(2, 600):                                      # 598 new shapes, as new sequence lengths are
+        torch.nn.functional.linear(x[:rows], w)
+print(fast_hf.bf16_supported(torch.device("cpu")), (rss() - before) / 2**20)
+"""
+
+
+def test_a_cpu_run_bounds_onednns_caches_so_new_shapes_stop_adding_memory():
+    # bf16 matmuls on a CPU keep each new shape in two caches of 1,024 entries: unbounded, 598 new
+    # shapes of one SmolLM2 weight add ~0.4 GiB; after pick_device("cpu") at most 64 entries stay.
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+
+    def grown_mib(mode):
+        out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE, mode], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).resolve().parent.parent, env=env).stdout.split()
+        return out[0] == "True", float(out[1])
+
+    supported, bounded = grown_mib("bounded")
+    if not supported:
+        pytest.skip("no bf16 matmuls on this CPU: train.py runs float32 here, which oneDNN does not cache")
+    unbounded = grown_mib("default")[1]
+    assert bounded < 0.5 * unbounded, (bounded, unbounded)

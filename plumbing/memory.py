@@ -68,7 +68,9 @@ def bound_onednn_caches(entries: int = 64) -> None:
     of RSS, and 109 MiB with 64 entries each (no more after the first 64); with no cache at all a
     64-row call took 2.3x as long. 64 entries keep the decode loop's few shapes (one row count,
     one per weight shape) cached, so its calls cost the same (373 against 404 us), and bound the
-    rest. Both are read when oneDNN first runs: call before any bf16 matmul. The user's settings win."""
+    rest: the bf16 CPU demo (seed 4) peaked at 5.50 GiB instead of 6.72, at 64 s a step instead of
+    75, with the same results. Read when oneDNN first runs: call before any bf16 matmul. The user's
+    settings win."""
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(entries))
 

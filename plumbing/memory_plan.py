@@ -31,7 +31,8 @@ bound). Without checkpointing the update runs the shared prefix once per mini-ba
 its rows hold (S - prefix) tokens each, plus the prefix's keys and values copied per row.
 Peak = always + max(rollout, update): the rollout's KV cache is freed before the update, the
 gradients before the rollout. Not counted: allocator fragmentation, the CUDA context (~0.5 GiB),
-the Python and torch runtime (~0.3-0.5 GiB of RSS on a CPU), the retriever's index.
+the Python and torch runtime (~0.3-0.5 GiB of RSS on a CPU), the retriever's index, a CPU's oneDNN
+shape caches under bf16 (bounded: memory.bound_onednn_caches).
 
 The time per step (`step_seconds`) is an estimate with stated assumptions, see its docstring.
 """

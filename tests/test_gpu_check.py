@@ -4,7 +4,7 @@ displacement are exactly 0, the held-out evaluation, a checkpoint and the bf16 e
 CPU demo's path the memory plan's peak is within 25% of the measured one: the process's RSS above
 what the plan does not count (libraries, data, index), read from Linux's /proc, so other processes
 on the machine do not move it, with glibc unmapping freed blocks so that RSS follows live tensors. In float32: under bf16 autocast a CPU's RSS also holds oneDNN's
-primitive cache (~0.1-0.2 GiB on this model, docs/benchmarks.md), which the plan leaves out."""
+shape caches (bounded: memory.bound_onednn_caches), which the plan leaves out."""
 import sys
 
 import pytest

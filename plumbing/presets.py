@@ -19,8 +19,9 @@ PAPER = dict(
     eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve", template="search-r1",
     max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500, max_prompt_tokens=2048, max_context=4096,
     temperature=1.0, steps=1005, prompts_per_step=512, group_size=5, drop_tied_groups=0, mini_batch_size=256,
-    micro_batch_size=4, lr=1e-6, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, llds_gate="action",
-    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True)
+    micro_batch_size=4, lr=1e-6, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2,
+    llds_gate="action", eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128,
+    grad_checkpointing=True)
 
 ONE_GPU = {**PAPER, "max_prompt_tokens": 512, "steps": 200, "prompts_per_step": 64, "mini_batch_size": 32,
            "displacement_every": 10, "token_view_every": 50, "eval_size": 500, "keep_ckpts": 2}

@@ -1,10 +1,11 @@
 """bench/gpu_check.py in its smoke mode on the CPU, on a tiny model it builds: the script a first GPU
 run executes runs end to end (train.py's setup, a training step at lr 0 whose ratios, KL, LLDS and
 displacement are exactly 0, the held-out evaluation, a checkpoint and the bf16 export), and on the
-CPU demo's path the memory plan's peak is within 25% of the measured one: the process's RSS above
-what the plan does not count (libraries, data, index), read from Linux's /proc, so other processes
-on the machine do not move it, with glibc unmapping freed blocks so that RSS follows live tensors. In float32: under bf16 autocast a CPU's RSS also holds oneDNN's
-shape caches (bounded: memory.bound_onednn_caches), which the plan leaves out."""
+CPU demo's path the memory plan's peak is within 25% of the measured one, in float32: the process's
+RSS above what the plan does not count (libraries, data, index), read from Linux's /proc, so other
+processes on the machine do not move it, with glibc unmapping freed blocks so that RSS follows live
+tensors. Under bf16 autocast a CPU's RSS also holds oneDNN's shape caches (bounded:
+memory.bound_onednn_caches), which the plan leaves out."""
 import sys
 
 import pytest

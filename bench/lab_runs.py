@@ -56,28 +56,33 @@ def sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
-def sft() -> Path:
+def sft(other_build: bool = False) -> Path:
     """The warm-started model, trained once with the registered recipe, on one thread (pretraining too),
-    and checked against the registered hashes: a run from any other model would not be the registered lab."""
+    and checked against the registered hashes: a run from any other model would not be the registered lab.
+    Another CPU kind (AVX2 only) builds other bytes from the same recipe; `other_build` goes on with them, and
+    the analysis marks those runs (prereg §6)."""
     import torch
 
     torch.set_num_threads(1)
     lab = build_lab()
-    check_registered("base", lab / "base")
+    check_registered("base", lab / "base", other_build)
     model = SFT_DIR / "model"
     if not (model / "config.json").exists():
         subprocess.run([PY, "sft.py", "--model", str(lab / "base"), "--data", str(lab / "sft"),
                         "--corpus", str(lab / "sft" / "corpus.jsonl"), "--out", str(SFT_DIR), *SFT_ARGS],
                        cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    check_registered("sft", model)
-    print(f"SFT model {model}: sha256 {sha256(model)}, as registered")
+    check_registered("sft", model, other_build)
+    print(f"SFT model {model}: sha256 {sha256(model)}")
     return model
 
 
-def check_registered(name: str, folder: Path) -> None:
+def check_registered(name: str, folder: Path, other_build: bool) -> None:
     if sha256(folder) != REGISTERED[name]:
-        raise SystemExit(f"error: {folder} has sha256 {sha256(folder)}, not the registered {REGISTERED[name]}: "
-                         f"delete it and rebuild on one thread (float32) with the registered code")
+        problem = f"{folder} has sha256 {sha256(folder)}, not the registered {REGISTERED[name]}"
+        if not other_build:
+            raise SystemExit(f"error: {problem}: delete it and rebuild on one thread (float32) with the registered "
+                             "code, or pass --other-build on a CPU kind that cannot build the registered bytes")
+        print(f"warning: {problem}; going on (--other-build), its runs are marked")
 
 
 def check(model: Path, questions: int = 200) -> dict:
@@ -137,8 +142,8 @@ def train_run(model: Path, out_dir: Path, docs_dir: Path, name: str, seed: int, 
     return f"{docs_dir / name}: finished"
 
 
-def run_all(jobs: int, runs: list[tuple]) -> None:
-    model = sft()
+def run_all(jobs: int, runs: list[tuple], other_build: bool) -> None:
+    model = sft(other_build)
     with ThreadPoolExecutor(jobs) as pool:
         for line in pool.map(lambda r: train_run(model, *r), runs):
             print(line, flush=True)
@@ -150,9 +155,12 @@ def main() -> None:
     parser.add_argument("--cell", help="the study's cell, e.g. lr3e-05-u10 (bench/lab_study.py pilot chooses it)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each")
     parser.add_argument("--seeds", help="a subset of the stage's seeds, e.g. 0-3 (default: all)")
+    parser.add_argument("--other-build", action="store_true",
+                        help="go on with this machine's SFT build when its hash is not the registered one (a CPU "
+                             "without AVX-512 builds other bytes); the analysis marks its runs")
     args = parser.parse_args()
     if args.stage in ("sft", "check"):
-        model = sft()
+        model = sft(args.other_build)
         if args.stage == "check":
             check(model)
         return
@@ -168,7 +176,7 @@ def main() -> None:
             for u in PILOT_UPDATES:
                 cell = cell_name(lr, u)
                 run_all(args.jobs, [(runs_root / "pilot" / cell, docs_root / "pilot" / cell, f"grpo-s{s}", s, lr, u,
-                                     False) for s in PILOT_SEEDS if wanted is None or s in wanted])
+                                     False) for s in PILOT_SEEDS if wanted is None or s in wanted], args.other_build)
                 chosen = choose_cell(pilot_cells(docs_root / "pilot"))
                 if chosen:
                     print(f"pilot: {chosen['cell']} qualifies; the harsher cells are not run")
@@ -176,14 +184,14 @@ def main() -> None:
         return
     else:
         if not args.cell:
-            raise SystemExit("error: study and demo need --cell, and the pilot has chosen none yet "
-                             "(`bench/lab_study.py pilot docs/lab/pilot` says where it stands; `make lab` continues it)")
+            raise SystemExit("error: study and demo need --cell; the pilot has chosen none yet (`bench/lab_study.py "
+                             "pilot docs/lab/pilot` says where it stands; `make lab` continues it)")
         lr, u = parse_cell(args.cell)
         where = "study" if args.stage == "study" else "demo"
         seeds = STUDY_SEEDS if args.stage == "study" else [0]
         runs = [(runs_root / where, docs_root / where, f"{arm}-s{s}", s, lr, u, arm == "llds")
                 for s in seeds for arm in ("grpo", "llds")]
-    run_all(args.jobs, [r for r in runs if wanted is None or r[3] in wanted])
+    run_all(args.jobs, [r for r in runs if wanted is None or r[3] in wanted], args.other_build)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ The rules, fixed before the runs and the same for both arms:
   paper's phases (II: correct responses displaced while reward still holds; III: entropy or gradients blow up).
 
 A run with fewer training steps logged than its config's `steps` is unfinished: listed, never counted.
+A run whose sft_model.json names another SFT model than the registered one (a machine of another CPU kind
+builds other bytes) is marked, and every table is given with and without such runs (prereg §6).
 """
 import argparse
 import json
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lab_runs import REGISTERED  # noqa: E402
 from bench.lld_study import bootstrap_mean  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
@@ -42,6 +45,7 @@ COLOURS = {"grpo": "tab:red", "llds": "tab:blue"}
 RUN = re.compile(r"^(grpo|llds)-s(\d+)$")
 SERIES = {"reward": "reward", "entropy": "entropy", "grad_norm": "grad_norm", "grad_norm_max": "grad_norm_max",
           "displacement": "lld/displacement_correct"}
+WITHOUT = "**The same without the runs from another SFT build** (prereg §6):"
 CELL_RUNS, CELL_MIN, CELL_MEDIAN = 8, 6, 100        # pilot: 8 seeds; >= 6 learn, >= 6 collapse, median >= 100
 
 
@@ -64,7 +68,14 @@ def read_run(folder) -> dict:
               for name, key in SERIES.items()}
     evals = [(s, by_step[s]["eval/em_sampled"]) for s in sorted(by_step) if "eval/em_sampled" in by_step[s]]
     return {"name": folder.name, "arm": "llds" if config.get("llds") else "grpo", "seed": config.get("seed"),
-            "config": config, "finished": len(trained) >= config["steps"], **arrays, "evals": evals}
+            "config": config, "finished": len(trained) >= config["steps"], **arrays, "evals": evals,
+            "other_sft": other_sft(folder)}
+
+
+def other_sft(folder: Path) -> bool:
+    """Did the run start from an SFT model other than the registered one? (no sft_model.json: not known, not marked)"""
+    f = folder / "sft_model.json"
+    return f.exists() and json.loads(f.read_text())["sha256"] != REGISTERED["sft"]
 
 
 def run_folders(folder: Path) -> list[Path]:
@@ -141,6 +152,7 @@ def run_summary(run: dict) -> dict:
     s_star = collapse_step(run)
     ems = [em for _, em in run["evals"]]
     return {"name": run["name"], "arm": run["arm"], "seed": run["seed"], "finished": run["finished"],
+            "other_sft": run["other_sft"],
             "steps": len(run["reward"]), "collapse": s_star, "em_final": ems[-1] if ems else None,
             "em_best": max(ems) if ems else None, "em_area": em_area(run["evals"]),
             "disp_neg": float(np.nansum(np.minimum(run["displacement"], 0.0))),
@@ -149,11 +161,11 @@ def run_summary(run: dict) -> dict:
 
 # ---- the pilot: which cell ----
 
-def pilot_cells(folder: Path) -> list[dict]:
+def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
     """One summary per cell folder holding grpo-s<N> runs; only finished runs are counted."""
     cells = []
     for cell in sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []:
-        runs = [read_run(d) for d in run_folders(cell)]
+        runs = [r for r in map(read_run, run_folders(cell)) if not (registered_only and r["other_sft"])]
         if not runs:
             continue
         done = [r for r in runs if r["finished"]]
@@ -161,7 +173,8 @@ def pilot_cells(folder: Path) -> list[dict]:
         n_learned, median = sum(map(learned, done)), float(np.median(collapses)) if collapses else None
         complete = len(done) >= CELL_RUNS
         cells.append({"cell": cell.name, "lr": runs[0]["config"]["lr"], "updates": updates_per_batch(runs[0]["config"]),
-                      "finished": len(done), "learned": n_learned, "collapsed": len(collapses),
+                      "finished": len(done), "other_sft": sum(r["other_sft"] for r in done),
+                      "learned": n_learned, "collapsed": len(collapses),
                       "median_collapse": median, "complete": complete,
                       "qualifies": complete and n_learned >= CELL_MIN and len(collapses) >= CELL_MIN
                       and median >= CELL_MEDIAN,
@@ -181,7 +194,8 @@ def pilot_report(cells: list[dict]) -> str:
     for c in cells:
         median = "-" if c["median_collapse"] is None else f"{c['median_collapse']:g}"
         qualifies = ("yes" if c["qualifies"] else "no") if c["complete"] else "incomplete: cannot be chosen"
-        out.append(f"| {c['cell']} | {c['finished']} of {CELL_RUNS} | {c['learned']} | {c['collapsed']} | "
+        marked = f" ({c['other_sft']} from another SFT build)" if c["other_sft"] else ""
+        out.append(f"| {c['cell']} | {c['finished']} of {CELL_RUNS}{marked} | {c['learned']} | {c['collapsed']} | "
                    f"{median} | {qualifies} |")
     if unfinished := [name for c in cells for name in c["unfinished"]]:
         out.append(f"\nunfinished, not counted: {', '.join(unfinished)}")
@@ -235,7 +249,8 @@ def run_table(summaries: list[dict]) -> str:
            "phase II / III |", "|---" * 7 + "|"]
     for s in (s for s in summaries if s["finished"]):
         shows = "-" if s["collapse"] is None else " / ".join("yes" if s[k] else "no" for k in ("phase2", "phase3"))
-        out.append(f"| {ARMS[s['arm']]} | {s['seed']} | {s['collapse'] or '-'} | {fmt(s['em_final'])} | "
+        seed = f"{s['seed']} (other SFT build)" if s["other_sft"] else s["seed"]
+        out.append(f"| {ARMS[s['arm']]} | {seed} | {s['collapse'] or '-'} | {fmt(s['em_final'])} | "
                    f"{fmt(s['em_best'])} | {s['disp_neg']:.2f} | {shows} |")
     if unfinished := [f"{s['name']} ({s['steps']} steps)" for s in summaries if not s["finished"]]:
         out.append(f"\nunfinished, not counted: {', '.join(unfinished)}")
@@ -354,6 +369,8 @@ def main(argv=None) -> int:
             print(chosen["cell"])
             return 0
         print(pilot_report(cells))
+        if any(c["other_sft"] for c in cells):
+            print(f"\n{WITHOUT}\n\n{pilot_report(pilot_cells(args.folder, registered_only=True))}")
         cell = args.cell or (choose_cell(cells) or {}).get("cell")
         if args.figure and (cell is None or not (args.folder / cell).is_dir()):
             print(f"no figure: {'no cell qualifies' if cell is None else f'no cell {cell}'}; pass --cell NAME")
@@ -367,8 +384,10 @@ def main(argv=None) -> int:
         return 2
     summaries = [run_summary(r) for r in runs]
     print(run_table(summaries))
-    pairs = pairs_of(summaries)
-    print("\n" + paired_report(pairs) if pairs else "\nno seed has both arms finished: no paired result yet")
+    for registered_only in (False, True) if any(s["other_sft"] for s in summaries) else (False,):
+        pairs = pairs_of([s for s in summaries if not (registered_only and s["other_sft"])])
+        print(f"\n{WITHOUT}" if registered_only else "", end="")
+        print("\n" + paired_report(pairs) if pairs else "\nno seed has both arms finished: no paired result yet")
     if args.figure:
         print(f"figure: {draw([r for r in runs if r['finished']], args.figure, f'LLD lab study: {args.folder}')}")
     return 0

@@ -160,3 +160,25 @@ def test_a_folder_without_runs_is_one_clear_line(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == [f"error: no grpo-s<N> / llds-s<N> run folders in {tmp_path}",
                    f"error: no <cell>/grpo-s<N> run folders in {tmp_path / 'missing'}"]
+
+
+def from_sft(run, sha256):
+    (run / "sft_model.json").write_text(json.dumps({"path": "runs/lab/sft/model", "sha256": sha256}))
+
+
+def test_runs_from_another_sft_build_are_marked_and_the_tables_given_without_them(tmp_path, capsys):
+    write_cell(tmp_path / "pilot", "lr1e-05-u4", 1e-5, 4, fall=100)
+    for seed in range(1000, 1008):
+        from_sft(tmp_path / "pilot" / "lr1e-05-u4" / f"grpo-s{seed}", "0" * 64 if seed >= 1006 else
+                 lab_study.REGISTERED["sft"])
+    assert lab_study.main(["pilot", str(tmp_path / "pilot")]) == 0
+    with_them, without = capsys.readouterr().out.split(lab_study.WITHOUT)
+    assert "| lr1e-05-u4 | 8 of 8 (2 from another SFT build) | 8 | 8 | 105 | yes |" in with_them
+    assert "| lr1e-05-u4 | 6 of 8 | 6 | 6 | 105 | incomplete: cannot be chosen |" in without
+    write_study(tmp_path / "study", [True] * 6, [False] * 6)
+    for arm in ("grpo", "llds"):
+        from_sft(tmp_path / "study" / f"{arm}-s5", "0" * 64)
+    assert lab_study.main(["study", str(tmp_path / "study")]) == 0
+    with_them, without = capsys.readouterr().out.split(lab_study.WITHOUT)
+    assert "| plain GRPO | 5 (other SFT build) | 55 |" in with_them and "over 6 pairs" in with_them
+    assert "over 5 pairs" in without and "exact McNemar p = 0.0625" in without

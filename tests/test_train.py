@@ -538,9 +538,11 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     assert train.displacement(model, batch, plan, correct, old, cfg, cpu)[0] == {
         "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0,
         "lld/displacement_correct_search": 0.0, "lld/displacement_correct_answer": 0.0}
-    # the same rows regrouped (what the monitor did before) are not bit-identical
+    # the same rows regrouped (what the monitor did before) are not bit-identical under bf16 (a CPU
+    # without bf16 units runs float32, where this regrouping changed nothing on an AVX2 EPYC)
     regrouped, _ = train.batch_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
-    assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0
+    if fast_hf.bf16_supported(cpu):
+        assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0
 
 
 def test_plot_overlays_runs_and_names_the_settings_that_differ(tmp_path, alternating_rewards, capsys):

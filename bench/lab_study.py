@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.lab_runs import REGISTERED  # noqa: E402
+from bench.lab_runs import PILOT_LRS, PILOT_UPDATES, REGISTERED  # noqa: E402
 from bench.lld_study import bootstrap_mean  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
@@ -200,8 +200,10 @@ def pilot_report(cells: list[dict]) -> str:
     if unfinished := [name for c in cells for name in c["unfinished"]]:
         out.append(f"\nunfinished, not counted: {', '.join(unfinished)}")
     chosen = choose_cell(cells)
+    complete, grid = sum(c["complete"] for c in cells), len(PILOT_LRS) * len(PILOT_UPDATES)
     out.append(f"\nchosen cell: {chosen['cell']} (lr {chosen['lr']:g}, {chosen['updates']} updates per rollout batch)"
-               if chosen else "\nno cell qualifies: this small model does not spiral")
+               if chosen else "\nno cell qualifies: this small model does not spiral" if complete >= grid
+               else f"\nno cell qualifies yet: {complete} of the {grid} cells complete")
     milder = [c["cell"] for c in cells if not c["complete"]    # a milder cell still running could still win
               and (chosen is None or (c["lr"], c["updates"]) < (chosen["lr"], chosen["updates"]))]
     if milder:

@@ -106,6 +106,10 @@ def test_pilot_picks_the_mildest_qualifying_cell(tmp_path, capsys):
 
 def test_pilot_says_plainly_when_no_cell_qualifies(tmp_path, capsys):
     write_cell(tmp_path, "lr1e-05-u2", 1e-5, 2, fall=50)
+    assert lab_study.main(["pilot", str(tmp_path)]) == 0
+    assert "no cell qualifies yet: 1 of the 6 cells complete" in capsys.readouterr().out
+    for lr in (2e-5, 3e-5, 4e-5, 5e-5, 6e-5):                       # all six cells of the grid: the pilot is over
+        write_cell(tmp_path, f"lr{lr:.0e}-u2", lr, 2, fall=50)
     assert lab_study.main(["pilot", str(tmp_path), "--figure", str(tmp_path / "f.png"), "--cell", "lr1e-05-u2"]) == 0
     assert "no cell qualifies: this small model does not spiral" in capsys.readouterr().out
     assert (tmp_path / "f.png").stat().st_size > 0

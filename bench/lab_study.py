@@ -180,7 +180,7 @@ def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
                       and median >= CELL_MEDIAN,
                       "unfinished": [f"{cell.name}/{r['name']} ({len(r['reward'])} steps)"
                                      for r in runs if not r["finished"]]})
-    return cells
+    return sorted(cells, key=lambda c: (c["lr"], c["updates"]))       # mildest first
 
 
 def choose_cell(cells: list[dict]) -> dict | None:

@@ -1,10 +1,10 @@
 """Runs the LLD lab (docs/lab/prereg.md) end to end, resumably: build, SFT, pilot, study, demo.
 
-    .venv/bin/python bench/lab_runs.py sft                      # the warm-start (once; its hash is registered)
-    .venv/bin/python bench/lab_runs.py check                    # its sampled EM and shared first searches
-    .venv/bin/python bench/lab_runs.py pilot [--jobs 2]         # plain GRPO, seeds 1000-1007, mildest cell first
-    .venv/bin/python bench/lab_runs.py study --cell lr3e-05-u10 # 32 pairs, seeds 0-31, at the chosen cell
-    .venv/bin/python bench/lab_runs.py demo --cell lr3e-05-u10  # seed 0, both arms: the quick look
+    .venv/bin/python bench/lab_runs.py sft                        # the warm-start (once; its hash is registered)
+    .venv/bin/python bench/lab_runs.py check                      # its sampled EM and shared first searches
+    .venv/bin/python bench/lab_runs.py pilot [--jobs 2]           # plain GRPO, seeds 1000-1007, mildest cell first
+    .venv/bin/python bench/lab_runs.py study [--cell lr3e-05-u10] # 32 pairs, seeds 0-31, at the pilot's cell
+    .venv/bin/python bench/lab_runs.py demo [--cell lr3e-05-u10]  # seed 0, both arms: the quick look
 
 Each run is `train.py --preset lab --model <sft> --lr L --mini-batch-size M --seed N [--no-llds]
 --resume`, one thread each, `--jobs` side by side. Checkpoints stay in runs/lab/; a finished run's
@@ -47,6 +47,20 @@ def parse_cell(cell: str) -> tuple[float, int]:
     return float(lr), int(updates)
 
 
+def lab_cell(pilot: Path, stage: str) -> str | None:
+    """The cell the pilot chose; None for the study when the stop rule ended the lab, whose demo then runs the
+    pilot's harshest cell (the most displacement, the likeliest spiral). Exits while the pilot can still choose."""
+    from bench.lab_study import choose_cell, harshest, pilot_cells, stopped, undecided
+
+    cells = pilot_cells(pilot)
+    if (chosen := choose_cell(cells)) and not undecided(cells, chosen):
+        return chosen["cell"]
+    if cells and stopped(cells):
+        return harshest(cells)["cell"] if stage == "demo" else None
+    raise SystemExit(f"error: the pilot has chosen no cell yet (`bench/lab_study.py pilot {pilot}` says where it "
+                     "stands; `make lab` continues it); or pass --cell")
+
+
 def sha256(folder: Path) -> str:
     """One hash of a model folder: its weights and tokenizer files, by name, in order."""
     h = hashlib.sha256()
@@ -82,7 +96,7 @@ def check_registered(name: str, folder: Path, other_build: bool) -> None:
         if not other_build:
             raise SystemExit(f"error: {problem}: delete it and rebuild on one thread (float32) with the registered "
                              "code, or pass --other-build on a CPU kind that cannot build the registered bytes")
-        print(f"warning: {problem}; going on (--other-build), its runs are marked")
+        print(f"warning: {problem}; going on with it (--other-build, or the demo), its runs are marked")
 
 
 def check(model: Path, questions: int = 200) -> dict:
@@ -152,7 +166,7 @@ def run_all(jobs: int, runs: list[tuple], other_build: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stage", choices=["sft", "check", "pilot", "study", "demo"])
-    parser.add_argument("--cell", help="the study's cell, e.g. lr3e-05-u10 (bench/lab_study.py pilot chooses it)")
+    parser.add_argument("--cell", help="the study's cell, e.g. lr3e-05-u10 (default: the one the pilot chose)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each")
     parser.add_argument("--seeds", help="a subset of the stage's seeds, e.g. 0-3 (default: all)")
     parser.add_argument("--other-build", action="store_true",
@@ -183,15 +197,18 @@ def main() -> None:
                     return
         return
     else:
-        if not args.cell:
-            raise SystemExit("error: study and demo need --cell; the pilot has chosen none yet (`bench/lab_study.py "
-                             "pilot docs/lab/pilot` says where it stands; `make lab` continues it)")
-        lr, u = parse_cell(args.cell)
+        cell = args.cell or lab_cell(docs_root / "pilot", args.stage)
+        if cell is None:
+            print("no study: no pilot cell qualifies, so the pre-registered stop rule ended the lab (this small "
+                  "model does not spiral)")
+            return
+        lr, u = parse_cell(cell)
         where = "study" if args.stage == "study" else "demo"
         seeds = STUDY_SEEDS if args.stage == "study" else [0]
         runs = [(runs_root / where, docs_root / where, f"{arm}-s{s}", s, lr, u, arm == "llds")
                 for s in seeds for arm in ("grpo", "llds")]
-    run_all(args.jobs, [r for r in runs if wanted is None or r[3] in wanted], args.other_build)
+    # the demo is a quick look, not the registered lab: it goes on with whatever SFT build this CPU makes
+    run_all(args.jobs, [r for r in runs if wanted is None or r[3] in wanted], args.other_build or args.stage == "demo")
 
 
 if __name__ == "__main__":

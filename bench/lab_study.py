@@ -13,7 +13,8 @@ The rules, fixed before the runs and the same for both arms:
   exceeds 0.8 P(s*), in a run whose last sampled held-out EM is at most half its best (step 0 included);
 - learned: the peak R10 is at least R10(10) + 0.10;
 - a pilot cell qualifies when >= 6 of its 8 runs learned, >= 6 collapsed and their median collapse step
-  is >= 100; the mildest qualifying cell is chosen (smallest lr, then fewest updates per batch);
+  is >= 100; the mildest qualifying cell is chosen (smallest lr, then fewest updates per batch); when all six
+  cells are complete and none qualifies, the lab stops there: "this small model does not spiral";
 - H1: collapses on paired seeds, exact McNemar test; H2: final sampled held-out EM, LLDS - GRPO per
   seed, 95% percentile bootstrap over pairs. "LLDS helps" needs fewer collapses with p < 0.05 and the H2
   interval above 0 ("hurts" is the mirror). The study is void unless LLDS displaced the correct
@@ -172,6 +173,7 @@ def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
         collapses = [s for s in map(collapse_step, done) if s is not None]
         n_learned, median = sum(map(learned, done)), float(np.median(collapses)) if collapses else None
         complete = len(done) >= CELL_RUNS
+        measures = [pilot_measures(r) for r in done]
         cells.append({"cell": cell.name, "lr": runs[0]["config"]["lr"], "updates": updates_per_batch(runs[0]["config"]),
                       "finished": len(done), "other_sft": sum(r["other_sft"] for r in done),
                       "learned": n_learned, "collapsed": len(collapses),
@@ -179,8 +181,21 @@ def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
                       "qualifies": complete and n_learned >= CELL_MIN and len(collapses) >= CELL_MIN
                       and median >= CELL_MEDIAN,
                       "unfinished": [f"{cell.name}/{r['name']} ({len(r['reward'])} steps)"
-                                     for r in runs if not r["finished"]]})
+                                     for r in runs if not r["finished"]],
+                      "ranges": {k: (min(m[k] for m in measures), max(m[k] for m in measures))
+                                 for k in MEASURES} if measures else {}})
     return sorted(cells, key=lambda c: (c["lr"], c["updates"]))       # mildest first
+
+
+MEASURES = {"R10 at step 10": ".2f", "peak R10": ".2f", "sampled EM, step 0": ".2f", "sampled EM, final": ".2f",
+            "summed negative displacement (nats)": ".3f", "entropy, last 10 steps": ".3f"}
+
+
+def pilot_measures(run: dict) -> dict:
+    """What a finished pilot run did, by the names of MEASURES (descriptive: no rule reads them)."""
+    r, ems = r10(run["reward"]), [em for _, em in run["evals"]]
+    return dict(zip(MEASURES, (r[9], np.nanmax(r), ems[0], ems[-1], np.nansum(np.minimum(run["displacement"], 0.0)),
+                               np.nanmean(run["entropy"][-10:]))))
 
 
 def choose_cell(cells: list[dict]) -> dict | None:
@@ -188,8 +203,24 @@ def choose_cell(cells: list[dict]) -> dict | None:
     return min((c for c in cells if c["qualifies"]), key=lambda c: (c["lr"], c["updates"]), default=None)
 
 
+def undecided(cells: list[dict], chosen: dict | None) -> list[str]:
+    """Incomplete cells that could still change the choice: milder than the chosen cell, or any if none is chosen."""
+    return [c["cell"] for c in cells if not c["complete"]
+            and (chosen is None or (c["lr"], c["updates"]) < (chosen["lr"], chosen["updates"]))]
+
+
+def stopped(cells: list[dict]) -> bool:
+    """The pilot's stop rule: every cell of the grid complete and none qualifies ("this small model does not spiral")."""
+    return sum(c["complete"] for c in cells) >= len(PILOT_LRS) * len(PILOT_UPDATES) and choose_cell(cells) is None
+
+
+def harshest(cells: list[dict]) -> dict:
+    """The largest lr, then the most updates per rollout batch: where plain GRPO displaces most."""
+    return max(cells, key=lambda c: (c["lr"], c["updates"]))
+
+
 def pilot_report(cells: list[dict]) -> str:
-    """The table of cells and the choice."""
+    """The table of cells, the choice, and what the finished runs did (ranges over each cell's runs)."""
     out = ["| cell | runs finished | learned | collapsed | median collapse step | qualifies |", "|---" * 6 + "|"]
     for c in cells:
         median = "-" if c["median_collapse"] is None else f"{c['median_collapse']:g}"
@@ -202,12 +233,17 @@ def pilot_report(cells: list[dict]) -> str:
     chosen = choose_cell(cells)
     complete, grid = sum(c["complete"] for c in cells), len(PILOT_LRS) * len(PILOT_UPDATES)
     out.append(f"\nchosen cell: {chosen['cell']} (lr {chosen['lr']:g}, {chosen['updates']} updates per rollout batch)"
-               if chosen else "\nno cell qualifies: this small model does not spiral" if complete >= grid
+               if chosen else "\nno cell qualifies: this small model does not spiral" if stopped(cells)
                else f"\nno cell qualifies yet: {complete} of the {grid} cells complete")
-    milder = [c["cell"] for c in cells if not c["complete"]    # a milder cell still running could still win
-              and (chosen is None or (c["lr"], c["updates"]) < (chosen["lr"], chosen["updates"]))]
-    if milder:
+    if milder := undecided(cells, chosen):
         out.append(f"provisional: {', '.join(milder)} incomplete (fewer than {CELL_RUNS} finished runs)")
+    out += ["\nWhat the finished runs did (lowest to highest over the cell's runs):\n",
+            "| cell | " + " | ".join(MEASURES) + " |", "|---" * (len(MEASURES) + 1) + "|"]
+    spans = [c["ranges"] for c in cells if c["ranges"]]
+    for name, ranges in [(c["cell"], c["ranges"]) for c in cells if c["ranges"]] + [
+            ("all cells", {k: (min(r[k][0] for r in spans), max(r[k][1] for r in spans)) for k in MEASURES})]:
+        out.append(f"| {name} | " + " | ".join(f"{ranges[k][0]:{f}} to {ranges[k][1]:{f}}" for k, f in MEASURES.items())
+                   + " |")
     return "\n".join(out)
 
 
@@ -353,32 +389,24 @@ def main(argv=None) -> int:
         p = parts.add_parser(part, help=f"the {part}'s tables and decision")
         p.add_argument("folder", type=Path, help=folder)
         p.add_argument("--figure", type=Path, help="draw the figure into this PNG")
-    parts.choices["pilot"].add_argument("--cell", help="the cell to draw (default: the chosen one)")
-    parts.choices["pilot"].add_argument("--chosen", action="store_true",
-                                        help="print only the chosen cell's name (exit 1 if none is chosen yet)")
+    parts.choices["pilot"].add_argument("--cell", help="the cell to draw (default: the chosen one; the harshest one "
+                                                       "when the stop rule ended the pilot)")
     args = parser.parse_args(argv)
     if args.part == "pilot":
         cells = pilot_cells(args.folder)
         if not cells:
             print(f"error: no <cell>/grpo-s<N> run folders in {args.folder}", file=sys.stderr)
             return 2
-        if args.chosen:
-            chosen = choose_cell(cells)
-            milder = [c for c in cells if not c["complete"] and (chosen is None or
-                      (c["lr"], c["updates"]) < (chosen["lr"], chosen["updates"]))]
-            if chosen is None or milder:
-                return 1
-            print(chosen["cell"])
-            return 0
         print(pilot_report(cells))
         if any(c["other_sft"] for c in cells):
             print(f"\n{WITHOUT}\n\n{pilot_report(pilot_cells(args.folder, registered_only=True))}")
-        cell = args.cell or (choose_cell(cells) or {}).get("cell")
+        cell = args.cell or (choose_cell(cells) or (harshest(cells) if stopped(cells) else {})).get("cell")
         if args.figure and (cell is None or not (args.folder / cell).is_dir()):
-            print(f"no figure: {'no cell qualifies' if cell is None else f'no cell {cell}'}; pass --cell NAME")
+            print(f"no figure: {'no cell chosen yet' if cell is None else f'no cell {cell}'}; pass --cell NAME")
         elif args.figure:
             runs = [r for r in map(read_run, run_folders(args.folder / cell)) if r["finished"]]
-            print(f"figure: {draw(runs, args.figure, f'pilot cell {cell}')}")
+            why = "" if args.cell or choose_cell(cells) else ", the harshest (no cell qualifies)"
+            print(f"figure: {draw(runs, args.figure, f'pilot cell {cell}{why}')}")
         return 0
     runs = [read_run(d) for d in run_folders(args.folder)]
     if not runs:

@@ -2,8 +2,10 @@
 import json
 
 import numpy as np
+import pytest
 
 from bench import lab_study
+from bench.lab_runs import lab_cell
 
 
 def write_run(folder, rewards, evals, seed=1000, llds=False, steps=None, updates=4, lr=1e-5,
@@ -102,17 +104,39 @@ def test_pilot_picks_the_mildest_qualifying_cell(tmp_path, capsys):
     assert "| lr1e-06-u4 | 5 of 8 | 5 | 5 | 105 | incomplete: cannot be chosen |" in out
     assert "chosen cell: lr1e-05-u10 (lr 1e-05, 10 updates per rollout batch)" in out
     assert "provisional: lr1e-06-u4 incomplete" in out
+    with pytest.raises(SystemExit, match="the pilot has chosen no cell yet"):   # the milder cell could still win
+        lab_cell(tmp_path, "study")
 
 
 def test_pilot_says_plainly_when_no_cell_qualifies(tmp_path, capsys):
     write_cell(tmp_path, "lr1e-05-u2", 1e-5, 2, fall=50)
     assert lab_study.main(["pilot", str(tmp_path)]) == 0
     assert "no cell qualifies yet: 1 of the 6 cells complete" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the pilot has chosen no cell yet"):
+        lab_cell(tmp_path, "study")
     for lr in (2e-5, 3e-5, 4e-5, 5e-5, 6e-5):                       # all six cells of the grid: the pilot is over
         write_cell(tmp_path, f"lr{lr:.0e}-u2", lr, 2, fall=50)
-    assert lab_study.main(["pilot", str(tmp_path), "--figure", str(tmp_path / "f.png"), "--cell", "lr1e-05-u2"]) == 0
-    assert "no cell qualifies: this small model does not spiral" in capsys.readouterr().out
-    assert (tmp_path / "f.png").stat().st_size > 0
+    assert lab_study.main(["pilot", str(tmp_path), "--figure", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert "no cell qualifies: this small model does not spiral" in out
+    assert f"figure: {tmp_path / 'f.png'}" in out and (tmp_path / "f.png").stat().st_size > 0   # the harshest cell
+    # the study does not run; the demo runs the harshest cell
+    assert (lab_cell(tmp_path, "study"), lab_cell(tmp_path, "demo")) == (None, "lr6e-05-u2")
+
+
+def test_what_the_pilot_runs_did_by_hand(tmp_path, capsys):
+    """Rewards 0.25 x 20, 1.0 x 30, 0 x 100: R10(10) = 0.25, peak 1.0; EM 0.2 at step 0, 0.1 at the end; the
+    displacement -0.5 on steps 1-4 and +1 after: its negative part sums to -2; entropy 0.3 over the last 10 steps."""
+    entropy = [1.0] * 140 + [0.3] * 10
+    write_run(tmp_path / "lr1e-05-u4", rise_then_fall(50, 150), [(0, 0.2), (100, 0.6), (150, 0.1)],
+              displacement=[-0.5] * 4 + [1.0] * 146, entropy=entropy)
+    run = lab_study.read_run(tmp_path / "lr1e-05-u4" / "grpo-s1000")
+    assert lab_study.pilot_measures(run) == pytest.approx(
+        dict(zip(lab_study.MEASURES, (0.25, 1.0, 0.2, 0.1, -2.0, 0.3))))
+    write_run(tmp_path / "lr1e-05-u4", [0.5] * 150, [(0, 0.4), (150, 0.5)], seed=1001)
+    assert lab_study.main(["pilot", str(tmp_path)]) == 0
+    assert ("| lr1e-05-u4 | 0.25 to 0.50 | 0.50 to 1.00 | 0.20 to 0.40 | 0.10 to 0.50 | -2.000 to 0.000 | "
+            "0.300 to 1.000 |") in capsys.readouterr().out
 
 
 def write_study(folder, grpo_collapses, llds_collapses, llds_displaced=False):
@@ -179,6 +203,7 @@ def test_runs_from_another_sft_build_are_marked_and_the_tables_given_without_the
     with_them, without = capsys.readouterr().out.split(lab_study.WITHOUT)
     assert "| lr1e-05-u4 | 8 of 8 (2 from another SFT build) | 8 | 8 | 105 | yes |" in with_them
     assert "| lr1e-05-u4 | 6 of 8 | 6 | 6 | 105 | incomplete: cannot be chosen |" in without
+    assert lab_cell(tmp_path / "pilot", "study") == "lr1e-05-u4"
     write_study(tmp_path / "study", [True] * 6, [False] * 6)
     for arm in ("grpo", "llds"):
         from_sft(tmp_path / "study" / f"{arm}-s5", "0" * 64)

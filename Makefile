@@ -22,7 +22,7 @@ setup: .venv/done
 
 train: .venv/done
 	$(PY) train.py $(ARGS)
-	@echo "plain GRPO against GRPO + LLDS over 300 steps of the LLD lab's small model: make lab-demo (one pair, about 20 min)"
+	@echo "plain GRPO against GRPO + LLDS over 300 steps of the LLD lab's small model: make lab-demo (one pair, about 22 min once its warm-start is built)"
 
 test: .venv/done .venv/test-done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
@@ -62,7 +62,7 @@ lab-study: .venv/done
 	@$(STUDY_TABLES)
 
 # The quick look: one pair (seed 0) side by side, at the pilot's cell (its harshest one when no cell
-# qualified), and its figure (about 20 min on 2 cores).
+# qualified), and its figure (22 min on 2 cores once the warm-start is built, about 1 h first).
 lab-demo: .venv/done
 	$(PY) bench/lab_runs.py demo
 	$(PY) bench/lab_study.py study docs/lab/demo --figure runs/lab/demo.png

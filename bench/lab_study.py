@@ -173,7 +173,6 @@ def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
         collapses = [s for s in map(collapse_step, done) if s is not None]
         n_learned, median = sum(map(learned, done)), float(np.median(collapses)) if collapses else None
         complete = len(done) >= CELL_RUNS
-        measures = [pilot_measures(r) for r in done]
         cells.append({"cell": cell.name, "lr": runs[0]["config"]["lr"], "updates": updates_per_batch(runs[0]["config"]),
                       "finished": len(done), "other_sft": sum(r["other_sft"] for r in done),
                       "learned": n_learned, "collapsed": len(collapses),
@@ -182,8 +181,7 @@ def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
                       and median >= CELL_MEDIAN,
                       "unfinished": [f"{cell.name}/{r['name']} ({len(r['reward'])} steps)"
                                      for r in runs if not r["finished"]],
-                      "ranges": {k: (min(m[k] for m in measures), max(m[k] for m in measures))
-                                 for k in MEASURES} if measures else {}})
+                      "measures": [pilot_measures(r) for r in done]})
     return sorted(cells, key=lambda c: (c["lr"], c["updates"]))       # mildest first
 
 
@@ -237,13 +235,14 @@ def pilot_report(cells: list[dict]) -> str:
                else f"\nno cell qualifies yet: {complete} of the {grid} cells complete")
     if milder := undecided(cells, chosen):
         out.append(f"provisional: {', '.join(milder)} incomplete (fewer than {CELL_RUNS} finished runs)")
-    out += ["\nWhat the finished runs did (lowest to highest over the cell's runs):\n",
-            "| cell | " + " | ".join(MEASURES) + " |", "|---" * (len(MEASURES) + 1) + "|"]
-    spans = [c["ranges"] for c in cells if c["ranges"]]
-    for name, ranges in [(c["cell"], c["ranges"]) for c in cells if c["ranges"]] + [
-            ("all cells", {k: (min(r[k][0] for r in spans), max(r[k][1] for r in spans)) for k in MEASURES})]:
-        out.append(f"| {name} | " + " | ".join(f"{ranges[k][0]:{f}} to {ranges[k][1]:{f}}" for k, f in MEASURES.items())
-                   + " |")
+    rows = [(c["cell"], c["measures"]) for c in cells if c["measures"]]
+    if rows:
+        rows.append(("all cells", [m for _, ms in rows for m in ms]))
+        out += ["\nWhat the finished runs did (lowest to highest over the cell's runs):\n",
+                "| cell | " + " | ".join(MEASURES) + " |", "|---" * (len(MEASURES) + 1) + "|"]
+    for name, measures in rows:
+        out.append(f"| {name} | " + " | ".join(f"{min(m[k] for m in measures):{f}} to {max(m[k] for m in measures):{f}}"
+                                              for k, f in MEASURES.items()) + " |")
     return "\n".join(out)
 
 
@@ -400,12 +399,13 @@ def main(argv=None) -> int:
         print(pilot_report(cells))
         if any(c["other_sft"] for c in cells):
             print(f"\n{WITHOUT}\n\n{pilot_report(pilot_cells(args.folder, registered_only=True))}")
-        cell = args.cell or (choose_cell(cells) or (harshest(cells) if stopped(cells) else {})).get("cell")
+        chosen = choose_cell(cells)
+        cell = args.cell or (chosen or (harshest(cells) if stopped(cells) else {})).get("cell")
         if args.figure and (cell is None or not (args.folder / cell).is_dir()):
             print(f"no figure: {'no cell chosen yet' if cell is None else f'no cell {cell}'}; pass --cell NAME")
         elif args.figure:
             runs = [r for r in map(read_run, run_folders(args.folder / cell)) if r["finished"]]
-            why = "" if args.cell or choose_cell(cells) else ", the harshest (no cell qualifies)"
+            why = "" if args.cell or chosen else ", the harshest (no cell qualifies)"
             print(f"figure: {draw(runs, args.figure, f'pilot cell {cell}{why}')}")
         return 0
     runs = [read_run(d) for d in run_folders(args.folder)]

@@ -211,3 +211,10 @@ def test_runs_from_another_sft_build_are_marked_and_the_tables_given_without_the
     with_them, without = capsys.readouterr().out.split(lab_study.WITHOUT)
     assert "| plain GRPO | 5 (other SFT build) | 55 |" in with_them and "over 6 pairs" in with_them
     assert "over 5 pairs" in without and "exact McNemar p = 0.0625" in without
+
+
+def test_a_pilot_with_only_unfinished_runs_reports_them(tmp_path, capsys):
+    write_run(tmp_path / "lr1e-05-u4", [0.5] * 40, [(0, 0.2)], steps=100)
+    assert lab_study.main(["pilot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "unfinished, not counted: lr1e-05-u4/grpo-s1000 (40 steps)" in out and "What the finished" not in out

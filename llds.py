@@ -1,8 +1,8 @@
 """LLDS: likelihood-preserving regularisation for GRPO on agent-search trajectories.
 
 Re-implements the regulariser of Deng et al., "On GRPO Collapse in Search-R1: The Lazy
-Likelihood-Displacement Death Spiral" (arXiv 2512.04220), as one loss function you can copy
-into any trainer. Imports only torch and the standard library.
+Likelihood-Displacement Death Spiral" (arXiv 2512.04220), as one loss function you can copy into
+any trainer. Imports only torch.
 
 The problem. In multi-turn search RL a trajectory alternates model *actions* (one assistant
 turn: think + search, or the final answer) with tool *observations* (retrieved passages) that
@@ -25,9 +25,8 @@ and then every token of it whose likelihood fell pays a one-sided hinge:
     L_LLDS = (1 / Z) * sum_{i: A_i >= 0} sum_t sum_k  1[sum_k' d_itk' > 0] * max(0, d_itk) * w_itk
     L_total = L_GRPO + lambda * L_LLDS                       (lambda = 0.2 in the paper)
 
-The gradient of the hinge is -grad log pi_theta on exactly the tokens whose probability fell:
-a lambda-weighted likelihood push-up, nothing else. With a single optimiser step per rollout
-batch d == 0 and the loss is identically zero.
+The hinge's gradient is -grad log pi_theta on exactly the tokens whose probability fell: a
+lambda-weighted likelihood push-up. With one optimiser step per rollout batch, d == 0 and L == 0.
 
 Options, all from the paper or the authors' code:
 - gate="action" (default, best in the paper): an action is a maximal run of consecutive
@@ -47,8 +46,7 @@ Choices made here (not fixed by the paper):
 - A response with no loss-mask token is not counted as preserving.
 - The gate uses the raw float32 displacement; a net displacement of exactly 0 keeps the gate
   shut (the paper's strict "> 0"), and a token with d == 0 gets no gradient.
-- NaN/inf at positions where loss_mask == 0 are replaced (torch.where) before any arithmetic,
-  so they reach neither the loss nor its gradient.
+- NaN/inf where loss_mask == 0 are replaced (torch.where) first: they reach neither loss nor grad.
 
 Stats returned (floats, veRL-style names):
     llds/active_token_frac    penalised tokens / tokens of preserving responses
@@ -118,13 +116,15 @@ def _gate(gate, d, valid, preserving, starts):
 
 
 def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
-              answer_mask=None, answer_weight=1.0, reduction="token-mean"):
+              answer_mask=None, answer_weight=1.0, reduction="token-mean", denominator=None):
     """LLDS penalty (without lambda; the caller adds `lam * loss`).
 
     logp (B, T): log-probs of the sampled tokens under the current policy (carries grad).
     old_logp (B, T): the same under the rollout-time policy (treated as constant).
     advantages (B,) or (B, T); loss_mask (B, T): 1 on model tokens only.
     answer_mask (B, T) or None: nonzero on the final answer span, weighted by answer_weight.
+    denominator: Z when this batch is a micro-batch of a larger one (gradient accumulation): the
+    larger batch's loss-mask tokens (token-mean) or preserving responses (seq-mean); None: these.
     -> (loss: float32 scalar tensor, stats: dict[str, float]; names in the module docstring)
     """
     if gate not in GATES:
@@ -151,10 +151,10 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
     if answer_mask is not None:
         hinge = hinge * torch.where(answer_mask > 0, float(answer_weight), 1.0)
     if reduction == "token-mean":
-        loss = hinge.sum() / n_tok.sum().clamp(min=1)
-    else:
-        per_response = hinge.sum(dim=1) / n_tok.clamp(min=1)     # (B,), 0 if not preserving
-        loss = per_response.sum() / preserving.sum().clamp(min=1)
+        total, z = hinge.sum(), n_tok.sum()
+    else:   # per response (B,), 0 if not preserving
+        total, z = (hinge.sum(dim=1) / n_tok.clamp(min=1)).sum(), preserving.sum()
+    loss = total / (z.clamp(min=1) if denominator is None else denominator)
 
     with torch.no_grad():
         n_pres_tok = (n_tok * preserving).sum()

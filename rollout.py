@@ -1,33 +1,28 @@
-"""rollout.py — the Search-R1 environment: prompts, batched multi-turn generation with search,
-the three masks, and the exact-match reward.
+"""rollout.py: the Search-R1 environment. Prompts, batched multi-turn generation with search, the
+three masks, and the exact-match reward.
 
 Search-R1 (Jin et al., arXiv 2503.09516) lets the policy interleave text with `<search> query
-</search>` calls; the environment answers with `<information> top-k passages </information>` and
-the episode ends at `<answer> ... </answer>`. This file is that loop, for a batch at once: every
-turn, all active episodes sample together with one KV cache, each row stopping on its own (first
-`</search>` / `</answer>`, EOS, or the per-turn cap); all queries of a turn go to the retriever in
-ONE `.search(queries, topk)` call; the observation (or the fixed invalid-action message) is appended
-as forced tokens. Token in, token out: the sampled ids are kept as they are, with their log-probs,
-never decoded and re-encoded (the original does, which can change the ids).
-
-Output (`Rollout`): right-padded `input_ids`, `attention_mask` (every real token), `loss_mask`
-(model-sampled tokens only), `answer_mask` (the final `<answer>..</answer>` span), per-episode
-results. Reward = exact match of the last `<answer>`, SQuAD-normalised (`exact_match`).
+</search>` calls; the environment answers with `<information> top-k passages </information>`, and
+the episode ends at `<answer> ... </answer>`. This file runs that loop for a batch at once: each
+turn, all active episodes sample together with one KV cache, each row stopping on its own; all
+queries of a turn go to the retriever in ONE `.search(queries, topk)` call; the observation (or
+the invalid-action message) is appended as forced tokens. Token in, token out: sampled ids are
+kept as they are, with their log-probs, never decoded and re-encoded (which can change them).
+Output (`Rollout`): right-padded ids and masks, and per-episode results; reward = exact match of
+the last `<answer>`, SQuAD-normalised.
 
 Choices and simplifications:
-* A custom sampling loop instead of `model.generate`, so that stop strings, per-row stopping and the
-  exact sampled ids / log-probs are all visible here. The KV cache is kept across turns and the
-  shared few-shot prefix computed once; padding, positions and speed-ups are in plumbing/fast_hf.py.
-* Search runs only in the first `max_turns` turns; the one extra final turn may only answer. A
-  `<search>` there, no action there, or a sampled EOS in any turn ends the episode unfinished (the
-  EOS keeps loss 1, so GRPO learns whether stopping paid; the original drops it when re-tokenising).
+* A sampling loop of its own instead of `model.generate`: stop strings, per-row stopping and the
+  exact ids and log-probs are visible here; the KV cache's padding, positions and speed-ups are in
+  plumbing/fast_hf.py.
+* Search runs in the first `max_turns` turns; one more turn may only answer. A search there, no
+  action, or a sampled EOS ends the episode unfinished (the EOS keeps loss 1, so GRPO learns
+  whether stopping paid; the original drops it when re-tokenising).
 * Forced text is tokenised as inside running text: a string-final "\n\n" is otherwise a token
-  SmolLM2 never saw before a tag, and it then stops writing tags (measured: 0/16 answers instead of
-  16/16). The answer is read from the model's own tokens, never from observations (the
-  invalid-action message itself contains "<answer> and </answer>").
-* SmolLM2-135M-Instruct emits no tags from the zero-shot Search-R1 prompt, so the default is a
-  3-shot plain-text prompt ("fewshot") whose examples restate the evidence in one sentence before
-  acting; the exact Search-R1 prompt is `template="search-r1"`.
+  SmolLM2 never saw before a tag, and it then stops writing tags. The answer is read from the
+  model's own tokens, never from observations (the invalid-action message contains "<answer>").
+* SmolLM2-135M-Instruct writes no tags from the zero-shot Search-R1 prompt, so the default is a
+  3-shot plain-text prompt ("fewshot"); the exact Search-R1 prompt is `template="search-r1"`.
 """
 from __future__ import annotations
 
@@ -41,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from plumbing import fast_hf, long_prompts
-from plumbing.long_prompts import ON_LONG_PROMPT  # noqa: F401  (train.py's and eval.py's flag choices)
+from plumbing.cli import flag
+from plumbing.long_prompts import ON_LONG_PROMPT  # noqa: F401  (--on-long-prompt's choices)
 from plumbing.fewshot import FEWSHOT_EXAMPLES, FEWSHOT_INSTRUCTION   # the "fewshot" prompt's text
 from plumbing.tokens import answer_token_span, encode_in_text
 from retriever import MAX_QUERY_CHARS
@@ -79,16 +75,12 @@ def exact_match(prediction: str | None, golds) -> float:
 
 def f1_score(prediction: str | None, golds) -> float:
     """SQuAD token F1 between the normalised prediction and each gold; the max over golds."""
-    if prediction is None:
-        return 0.0
-    pred = normalize_answer(prediction).split()
-    best = 0.0
+    pred, best = normalize_answer(prediction or "").split(), 0.0
     for gold in _as_list(golds):
         ref = normalize_answer(gold).split()
         common = sum((Counter(pred) & Counter(ref)).values())
-        if common:
-            precision, recall = common / len(pred), common / len(ref)
-            best = max(best, 2 * precision * recall / (precision + recall))
+        if common:       # 2 precision recall / (precision + recall)
+            best = max(best, 2 * common / (len(pred) + len(ref)))
     return best
 
 
@@ -96,13 +88,13 @@ def f1_score(prediction: str | None, golds) -> float:
 
 # The trained Search-R1 string, typo ("as your want") included.
 SEARCH_R1_TEMPLATE = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every "
-    "time you get new information. After reasoning, if you find you lack some knowledge, you can call "
-    "a search engine by <search> query </search> and it will return the top searched results between "
-    "<information> and </information>. You can search as many times as your want. If you find no "
-    "further external knowledge needed, you can directly provide the answer inside <answer> and "
-    "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
-    "Question: {question}\n")
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some knowledge, you "
+    "can call a search engine by <search> query </search> and it will return the top searched "
+    "results between <information> and </information>. You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside "
+    "<answer> and </answer>, without detailed illustrations. For example, <answer> Beijing "
+    "</answer>. Question: {question}\n")
 
 TEMPLATES = ("fewshot", "search-r1")
 
@@ -126,7 +118,8 @@ def format_passages(hits: list[dict]) -> str:
 def _observation_ids(tokenizer, passages: list[str], max_obs_tokens: int) -> list[list[int]]:
     """Token ids of `\n\n<information>{passages}</information>\n\n` per passage block, each
     capped at max_obs_tokens by cutting the passages, never the closing tag."""
-    heads = tokenizer([f"\n\n<information>{p}" for p in passages], add_special_tokens=False)["input_ids"]
+    heads = tokenizer([f"\n\n<information>{p}" for p in passages],
+                      add_special_tokens=False).input_ids
     tail = encode_in_text(tokenizer, "</information>\n\n")
     return [head[:max(max_obs_tokens - len(tail), 0)] + tail for head in heads]
 
@@ -138,22 +131,24 @@ def as_question(question: str) -> str:
 
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """`text` as the one user message of the tokenizer's chat template, the assistant's turn opened."""
+    """`text` as the one user message of the chat template, the assistant's turn opened."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                          add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def build_prompt(question: str, tokenizer, template: str = "fewshot") -> list[int]:
-    """Prompt token ids for one question (stripped and ending in '?', as Search-R1). "search-r1": the
-    paper's prompt as one user message of the chat template (plain text when the tokenizer has none).
-    "fewshot": FEWSHOT_EXAMPLES as plain text, whose tags SmolLM2-135M-Instruct follows more than in a chat."""
+    """Prompt token ids for one question (stripped and ending in '?', as Search-R1). "search-r1":
+    the paper's prompt as one user message of the chat template (plain text without one).
+    "fewshot": FEWSHOT_EXAMPLES as plain text, whose tags SmolLM2-135M-Instruct follows more
+    readily than in a chat."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}: use one of {', '.join(TEMPLATES)}")
     question = as_question(question)
     if template == "search-r1":
         text = SEARCH_R1_TEMPLATE.format(question=question)
-        return chat_prompt_ids(tokenizer, text) if tokenizer.chat_template else tokenizer(text)["input_ids"]
+        return (chat_prompt_ids(tokenizer, text) if tokenizer.chat_template
+                else tokenizer(text).input_ids)
     question_ids = tokenizer(f"Question: {question}\n", add_special_tokens=False)["input_ids"]
     return list(_fewshot_examples_ids(tokenizer)) + question_ids
 
@@ -187,9 +182,10 @@ def prompt_ids(record: dict, tokenizer, template: str) -> list[int]:
     return build_prompt(record["question"], tokenizer, template)
 
 
-def split_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dict]]:
-    """(records whose prompt fits in cfg.max_prompt_tokens, records whose prompt does not), in order."""
-    return long_prompts.split_long(records, lambda r: len(prompt_ids(r, tokenizer, cfg.template)), cfg.max_prompt_tokens)
+def split_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig):
+    """(records whose prompt fits in cfg.max_prompt_tokens, records whose prompt does not)."""
+    return long_prompts.split_long(records, lambda r: len(prompt_ids(r, tokenizer, cfg.template)),
+                                   cfg.max_prompt_tokens)
 
 
 def drop_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig, on_long: str = "drop",
@@ -204,35 +200,35 @@ def drop_long_prompts(records: list[dict], tokenizer, cfg: RolloutConfig, on_lon
 
 @dataclass
 class RolloutConfig:
-    max_turns: int = 3            # search turns; one more answer-only turn follows (paper: 3 train, 4 eval) [>= 0]
-    topk: int = 3                 # passages per search [>= 0]
-    max_turn_tokens: int = 128    # sampled tokens per turn (paper: 500; the CPU demo's answers are short) [>= 1]
-    max_obs_tokens: int = 500     # observation cap, closing </information> kept [>= 1]
-    max_prompt_tokens: int = 2048  # longer prompts are an error in rollout(); drop_long_prompts leaves them out at load [>= 1]
-    max_context: int = 4096       # prompt + everything appended; an episode that would exceed it stops [>= 2]
-    temperature: float = 1.0      # sampling temperature (ignored when greedy) [> 0]
-    top_p: float = 1.0            # nucleus sampling; 1.0 = off [> 0, <= 1]
-    greedy: bool = False          # argmax decoding (evaluation)
-    template: str = "fewshot"     # "fewshot" (small models) or "search-r1" (the paper's prompt) [choice]
-    batch_size: int = 64          # episodes generated together; more records run in several batches [>= 1]
-    bf16: bool = True             # bf16 autocast for the forward passes where the CPU/GPU supports it
+    max_turns: int = flag(3, "search turns; one answer-only turn follows (paper: 3)", ">= 0")
+    topk: int = flag(3, "passages per search", ">= 0")
+    max_turn_tokens: int = flag(128, "sampled tokens per turn (paper: 500)", ">= 1")
+    max_obs_tokens: int = flag(500, "observation cap, closing </information> kept", ">= 1")
+    max_prompt_tokens: int = flag(2048, "a longer prompt is an error (dropped at load)", ">= 1")
+    max_context: int = flag(4096, "prompt + all appended; beyond it an episode stops", ">= 2")
+    temperature: float = flag(1.0, "sampling temperature (ignored when greedy)", "> 0")
+    top_p: float = flag(1.0, "nucleus sampling; 1.0 = off", "> 0, <= 1")
+    greedy: bool = flag(False, "argmax decoding (evaluation)")
+    template: str = flag("fewshot", "'fewshot' (small models) or 'search-r1'", "choice")
+    batch_size: int = flag(64, "episodes generated together; more run in several batches", ">= 1")
+    bf16: bool = flag(True, "bf16 autocast where the CPU/GPU has bf16 units")
 
 
 @dataclass
 class Rollout:
-    """One batch of finished episodes, ready for the loss. episodes[i] keys: id, text (all after the prompt,
-    decoded), answer (str or None), golds, queries (the executed searches, in order), n_search (their number),
-    n_valid (executed searches + the answer), finished (ended with <answer>), reward (= em), em, f1, data_source."""
+    """One batch of finished episodes, ready for the loss. episodes[i] keys: id, text (all after
+    the prompt, decoded), answer (str or None), golds, queries (the executed searches, in order),
+    n_search (their number), n_valid (executed searches + the answer), finished (ended with
+    <answer>), reward (= em), em, f1, data_source."""
     input_ids: torch.Tensor       # (B, T) long, right-padded: prompt, turns, observations
     attention_mask: torch.Tensor  # (B, T) long: 1 on every real token, observations included
     loss_mask: torch.Tensor       # (B, T) float: 1 only on model-sampled tokens
-    answer_mask: torch.Tensor     # (B, T) float: the final <answer>..</answer> tokens, tags included
+    answer_mask: torch.Tensor     # (B, T) float: the final <answer>..</answer>, tags included
     prompt_len: torch.Tensor      # (B,) long
-    episodes: list[dict]          # text, answer, golds, n_search, n_valid, finished, reward, em, f1, ...
+    episodes: list[dict]          # text, answer, golds, n_search, finished, reward, em, ...
     timing: dict = field(default_factory=dict)  # {"generate": s, "retrieval": s}
     n_generated: int = 0          # model-sampled tokens in total
-    logp: torch.Tensor | None = None  # (B, T) float: log p(token_t | <t) at sampling time and at the
-    #                                   sampling temperature on loss_mask positions, 0 elsewhere
+    logp: torch.Tensor | None = None  # (B, T): sampling-time log-probs on model tokens, else 0
 
 
 # ---- Batched generation with one KV cache -------------------------------------------------
@@ -242,8 +238,9 @@ PROMPT, MODEL, FORCED = 0, 1, 2     # FORCED: observations and the invalid-actio
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) float logits -> next tokens (B,) and their log-probs (B,): log_softmax(logits / temperature)
-    (temperature 1 when greedy), the policy train.py's old-log-prob pass recomputes, before top-p truncation."""
+    """(B, V) float logits -> next tokens (B,) and their log-probs (B,) under log_softmax(logits /
+    temperature) (temperature 1 when greedy): the policy train.py's old log-probs recompute, before
+    top-p truncation."""
     logp = torch.log_softmax(logits if cfg.greedy else logits / cfg.temperature, dim=-1)
     if cfg.greedy:
         tokens = logits.argmax(-1)
@@ -257,11 +254,10 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig) -> tuple[torch.Tensor, tor
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int], stops: fast_hf.StopChecker,
-                   cfg: RolloutConfig) -> tuple[list[list[int]], list[list[float]]]:
+def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int],
+                   stops: fast_hf.StopChecker, cfg: RolloutConfig):
     """Sample one turn for every row of `kv` from `logits` (B, V), caps: per-row token budget (>= 1)
-    -> per-row sampled ids and their log-probs. The last sampled token of each row is NOT fed to the
-    cache yet (the next turn feeds it first)."""
+    -> per-row sampled ids and their log-probs."""
     n_rows, device = logits.shape[0], logits.device
     limit = max(caps)
     tokens = torch.full((n_rows, limit), kv.pad_id, dtype=torch.long, device=device)
@@ -280,7 +276,8 @@ def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int], s
         running &= ~stopped
         if not running.any():
             break
-        # Rows that already stopped are fed a masked pad so the batch stays rectangular.
+        # Stopped rows, those that stopped at this token too, are fed a masked pad (the batch stays
+        # rectangular): so a row's last sampled token is not in the cache when its turn ends.
         logits = kv.feed(new[:, None], running[:, None].long())
     lengths = length.tolist()
     return ([t[:n] for t, n in zip(tokens.tolist(), lengths)],
@@ -311,7 +308,7 @@ class _Episode:
 
 def _parse_action(tokenizer, ids: list[int], eos: torch.Tensor) -> tuple[str | None, str | None]:
     """A turn's action: ("search", query), ("answer", text), ("eos", None) or (None, None). An empty
-    query is an invalid action; a very long one is cut to what Search-R1-compatible servers accept."""
+    query is an invalid action; a very long one is cut to what Search-R1's servers accept."""
     match = _ACTION_RE.search(tokenizer.decode(ids))
     if match and (match.group(1) == "answer" or match.group(2).strip()):
         return match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]
@@ -320,7 +317,7 @@ def _parse_action(tokenizer, ids: list[int], eos: torch.Tensor) -> tuple[str | N
     return None, None
 
 
-def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dict) -> dict[int, list[int]]:
+def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dict) -> dict:
     """All searches of one turn in ONE retriever call -> {row: observation token ids}."""
     searching = [i for i, (kind, _) in enumerate(actions) if kind == "search"]
     if not searching:
@@ -328,15 +325,18 @@ def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dic
     start = time.perf_counter()
     hits = retriever.search([actions[i][1] for i in searching], cfg.topk)
     timing["retrieval"] += time.perf_counter() - start
-    return dict(zip(searching, _observation_ids(tokenizer, [format_passages(h) for h in hits], cfg.max_obs_tokens)))
+    blocks = [format_passages(h) for h in hits]
+    return dict(zip(searching, _observation_ids(tokenizer, blocks, cfg.max_obs_tokens)))
 
 
 def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
                timing: dict, progress) -> list[_Episode]:
-    """All turns of one batch of episodes -> their final states; progress(text) is told which turn runs."""
+    """All turns of one batch of episodes -> their final states; progress(text): the turn."""
     prompts = [prompt_ids(r, tokenizer, cfg.template) for r in records]
-    long_prompts.refuse_long(records, prompts, cfg.max_prompt_tokens)   # train.py and eval.py drop them at load
-    episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p)) for r, p in zip(records, prompts)]
+    # train.py and eval.py drop over-long prompts at load; here one is an error
+    long_prompts.refuse_long(records, prompts, cfg.max_prompt_tokens)
+    episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p))
+                for r, p in zip(records, prompts)]
     invalid_ids = encode_in_text(tokenizer, INVALID_ACTION)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -358,7 +358,8 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             episodes[e].append(ids, MODEL, logps)
             actions.append(_parse_action(tokenizer, ids, stops.eos))
         # 3. Search: all queries of the turn in one retriever call (none in the final turn).
-        observations = _observations(tokenizer, retriever, actions, cfg, timing) if can_search else {}
+        observations = (_observations(tokenizer, retriever, actions, cfg, timing)
+                        if can_search else {})
         # 4. Append observations (or the invalid-action message) to the rows that go on.
         t0 = time.perf_counter()
         going_on, pending = [], []
@@ -379,7 +380,9 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
                 continue
             ep.append(forced, FORCED)
             going_on.append(row)
-            pending.append([new_ids[row][-1]] + forced)  # the last sampled token is not cached yet
+            # The turn's last sampled token is not in the cache yet (_generate_turn never feeds
+            # it): it goes in now, ahead of the forced tokens.
+            pending.append([new_ids[row][-1]] + forced)
         if not going_on:
             break
         kv.keep_rows(going_on)
@@ -403,11 +406,9 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
     cfg = cfg or RolloutConfig()
     if not records:
         raise ValueError("rollout: no records given")
-    if cfg.template not in TEMPLATES:
-        raise ValueError(f"unknown prompt template {cfg.template!r}: use one of {', '.join(TEMPLATES)}")
     if cfg.max_prompt_tokens >= cfg.max_context:
-        raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below max_context ({cfg.max_context})")
-    fast_hf.speed_up_cpu_attention()
+        raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below "
+                         f"max_context ({cfg.max_context})")
     progress = progress or (lambda text: None)
     timing = {"generate": 0.0, "retrieval": 0.0}
     episodes = []
@@ -416,8 +417,8 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
     for first in range(0, len(records), cfg.batch_size):
         where = f"batch {first // cfg.batch_size + 1}/{n_batches} " if n_batches > 1 else ""
         with fast_hf.autocast(device, cfg.bf16):
-            episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size], retriever, cfg, timing,
-                                   lambda text: progress(where + text))
+            episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size],
+                                   retriever, cfg, timing, lambda text: progress(where + text))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results, answer_rows = [], []
@@ -432,13 +433,15 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         golds = _as_list(ep.record.get("golds", []))
         em, f1 = exact_match(answer, golds), f1_score(answer, golds)
         results.append({"id": ep.record.get("id"), "text": tokenizer.decode(ep.ids[ep.prompt_len:]),
-                        "answer": answer, "golds": golds, "queries": ep.queries, "n_search": len(ep.queries),
-                        "n_valid": len(ep.queries) + ep.finished, "finished": ep.finished, "reward": em, "em": em, "f1": f1,
+                        "answer": answer, "golds": golds, "queries": ep.queries,
+                        "n_search": len(ep.queries), "n_valid": len(ep.queries) + ep.finished,
+                        "finished": ep.finished, "reward": em, "em": em, "f1": f1,
                         "data_source": ep.record.get("data_source", "unknown")})
     return Rollout(
         input_ids=_pad([ep.ids for ep in episodes], pad_id, torch.long),
         attention_mask=_pad([[1] * len(ep.ids) for ep in episodes], 0, torch.long),
-        loss_mask=_pad([[float(k == MODEL) for k in ep.kinds] for ep in episodes], 0.0, torch.float32),
+        loss_mask=_pad([[float(k == MODEL) for k in ep.kinds] for ep in episodes], 0.0,
+                       torch.float32),
         answer_mask=_pad(answer_rows, 0.0, torch.float32),
         prompt_len=torch.tensor([ep.prompt_len for ep in episodes], dtype=torch.long),
         episodes=results, timing=timing,

@@ -5,8 +5,8 @@ prompts of the first B toy questions, ~460 tokens, left-padded for HF) and make 
 tokens per row, greedily, with no early stop (HF: min_new_tokens = max_new_tokens = N). So the
 sampling luck that the TRL comparison cannot remove is out: both do the same arithmetic work.
 
-Each side runs in its own fresh process (rollout.py's attention switches are process-wide and
-must not reach HF), in each precision the CPU offers (float32; where it has bf16 units, bf16
+Each side runs in its own fresh process (ours with the model's attention switched by
+fast_hf.use_fast_attention, as train.py sets it; HF's with its own "sdpa"), in each precision the CPU offers (float32; where it has bf16 units, bf16
 autocast over float32 weights, as train.py runs, and bf16 weights), and its best is compared. Decode time = time(prefill + N tokens) - time(prefill +
 1 token), so prefill is out; decode tokens/s = B x (N - 1) / decode time.
 
@@ -36,7 +36,6 @@ def ours(model, prompts: list[list[int]], n_new: int) -> list[list[int]]:
     """rollout.py's turn loop (`_generate_turn`): one KV cache, shared prefix, per-row stop checks."""
     import rollout as ro
     from plumbing import fast_hf
-    fast_hf.speed_up_cpu_attention()
     kv = fast_hf.KVBatch(model, pad_id=0)
     logits = kv.start(prompts)
     never = torch.zeros(logits.shape[-1], dtype=torch.bool)
@@ -60,6 +59,9 @@ def child(args) -> None:
     from plumbing.models import load_policy
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model, tokenizer = load_policy(dtype=torch.bfloat16 if args.precision == "bf16-weights" else None)
+    if args.side == "ours":
+        from plumbing import fast_hf
+        fast_hf.use_fast_attention(model)                      # as train.py's and eval.py's setup
     prompts = prompts_for(tokenizer, args.batch)
     device = torch.device("cpu")
 

@@ -25,11 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
 import retriever as retrieval  # noqa: E402
 import rollout as ro  # noqa: E402
+from plumbing import fast_hf  # noqa: E402
 from plumbing.models import load_policy  # noqa: E402
 
 
 def setup(n_episodes: int):
     model, tokenizer = load_policy()
+    fast_hf.use_fast_attention(model)                          # as train.py's setup
     world = data.toy_world()
     records = data.load_questions("toy", limit=n_episodes, split="train")
     bm25 = retrieval.open_retriever("bm25", corpus=str(world / "corpus.jsonl"))

@@ -4,7 +4,9 @@ Both sides train the embedded SmolLM2-135M-Instruct on the same toy-world questi
 prompt order, seed 0), with the same prompt token ids (TRL gets ours unchanged), 8 prompts x 4
 completions per step, T = 0.7, one turn (no search), two optimiser steps per generation batch
 (mini-batch 16), micro-batch 4, AdamW lr 2e-5, no KL, no LLDS, no evaluation, bf16 autocast where
-the CPU has it, no gradient checkpointing. Workloads:
+the CPU has it, no gradient checkpointing. Ours is pinned to that work, whatever train.py's defaults
+become: no redrawing of tied groups (dynamic sampling would generate again, which TRL does not), no
+entropy bonus, no top-p, no displacement pass, no token view, no samples, no checkpoints. Workloads:
   fewshot    our 3-shot prompt (~1,000 shared tokens, what train.py runs once per micro-batch), 64 new tokens
   search-r1  the paper's prompt in the chat template (distinct prompts, nothing shared), 256 new tokens
 TRL: loss_type dapo (a token mean like ours), per_device_train_batch_size 4,
@@ -60,7 +62,8 @@ def run_ours(workload: dict, steps: int, tiny: bool, out_dir: Path) -> list[dict
     cfg = train.Config(name="ours", out_dir=str(out_dir), template=workload["template"], max_turns=0,
                        max_turn_tokens=workload["tokens"], temperature=TEMPERATURE, steps=steps,
                        prompts_per_step=PROMPTS, group_size=GROUP, mini_batch_size=MINI, micro_batch_size=MICRO,
-                       lr=LR, warmup_ratio=0.0, kl_coef=0.0, llds=False, displacement_every=0,
+                       lr=LR, warmup_ratio=0.0, kl_coef=0.0, entropy_coef=0.0, llds=False, top_p=1.0,
+                       drop_tied_groups=0, displacement_every=0, token_view_every=0,
                        samples_per_step=0, eval_size=0, ckpt_every=0, rollout_batch_size=PROMPTS * GROUP)
     train.train(cfg, *policy(tiny))
     lines = [json.loads(l) for l in (out_dir / "ours" / "metrics.jsonl").read_text().splitlines()]

@@ -2,7 +2,7 @@
 monitor agree bit for bit at equal weights? (issue 10, items 1 and 2)
 
 Rolls out a few toy questions with the embedded SmolLM2-135M, then, with the weights unchanged:
-  * old log-probs (train.batch_logprobs, no grad) vs the update's log-probs (train.token_logprobs
+  * old log-probs (train.logprob_pass, no grad) vs the update's log-probs (train.token_logprobs
     with grad, model.train(), the same micro-batches), with and without gradient checkpointing,
     in bf16 autocast and in fp32: mean and max |old_logp - logp| over model tokens;
   * the displacement monitor (train.displacement) with no update in between: its per-response
@@ -31,6 +31,7 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_policy()
+    fast_hf.use_fast_attention(model)                          # as train.py's setup
     records = data.load_questions("toy_nq", split="train")[:args.questions]
     records = [r for r in records for _ in range(2)]
     search = retrieval.open_retriever("bm25", corpus=str(data.toy_world() / "corpus.jsonl"))
@@ -46,17 +47,19 @@ def main():
             cfg.grad_checkpointing = ckpt
             if ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
+            old, _ = train.logprob_pass(model, batch, plan, cfg, cpu)
             model.train()
-            # as train.py's update: one prefix run per mini-batch
-            diffs, prefix = [], fast_hf.PrefixStore(batch["input_ids"], batch["attention_mask"])
-            for micro in (mu for mb in plan for mu in mb):
-                r = train.micro_batch(batch, micro, cpu)
-                with fast_hf.autocast(cpu, cfg.bf16):
-                    logp, _ = train.token_logprobs(model, r["input_ids"], r["attention_mask"], r["loss_mask"],
-                                                   cfg.temperature, not cfg.grad_checkpointing, prefix)
-                on = r["loss_mask"].bool()
-                diffs.append((logp.detach() - old[micro, :logp.shape[1]])[on].abs())
+            diffs = []
+            for mini in plan:                     # as train.py's update: one prefix run per mini-batch
+                with fast_hf.prefix_once(model, batch["input_ids"], batch["attention_mask"],
+                                         not cfg.grad_checkpointing) as policy:
+                    for micro in mini:
+                        mb = train.micro_batch(batch, micro, cpu)
+                        with fast_hf.autocast(cpu, cfg.bf16):
+                            logp, _ = train.token_logprobs(policy, mb["input_ids"], mb["attention_mask"],
+                                                           mb["loss_mask"], cfg.temperature)
+                        on = mb["loss_mask"].bool()
+                        diffs.append((logp.detach() - old[micro, :logp.shape[1]])[on].abs())
             model.eval()
             if ckpt:
                 model.gradient_checkpointing_disable()
@@ -64,7 +67,7 @@ def main():
             print(f"bf16 autocast {bf16!s:5}  grad checkpointing {ckpt!s:5}: |old_logp - logp| "
                   f"mean {d.mean():.4g}, max {d.max():.4g} nats/token over {d.numel()} model tokens")
         cfg.grad_checkpointing = False
-        old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
+        old, _ = train.logprob_pass(model, batch, plan, cfg, cpu)
         everyone = torch.arange(len(records))
         sums = displacement_sums(model, batch, plan, everyone, old, cfg)
         print(f"bf16 autocast {bf16!s:5}  displacement with unchanged weights, per response: "
@@ -73,7 +76,7 @@ def main():
 
 def displacement_sums(model, batch, plan, idx, old, cfg):
     """Per-response summed displacement the monitor would see (all responses treated as correct)."""
-    after, _ = train.batch_logprobs(model, batch, plan, cfg, torch.device("cpu"))
+    after, _ = train.logprob_pass(model, batch, plan, cfg, torch.device("cpu"))
     return train.masked_sum(after[idx] - old[idx], batch["loss_mask"][idx], dim=1)
 
 

@@ -191,8 +191,7 @@ def main(argv=None) -> dict:
             for step in (1, 2) if warm_up else (1,):
                 start = time.perf_counter()
                 peaks.peaks = {k: v for k, v in peaks.peaks.items() if k == "setup"}
-                metrics = train.train_step(step, cfg, run.model, run.tokenizer, run.ref, run.optimizer, sampler,
-                                           run.retriever, run.device, run.dir, show=peaks.show)
+                metrics = train.train_step(step, cfg, run, sampler, show=peaks.show)
                 peaks.stop()
                 timing["step"] = time.perf_counter() - start
         finally:

@@ -6,7 +6,7 @@
     .venv/bin/python bench/lab_runs.py study [--cell lr3e-05-u10] # 32 pairs, seeds 0-31, at the pilot's cell
     .venv/bin/python bench/lab_runs.py demo [--cell lr3e-05-u10]  # seed 0, both arms: the quick look
 
-Each run is `train.py --preset lab --model <sft> --lr L --mini-batch-size M --seed N [--no-llds]
+Each run is `train.py --preset lab --data <lab>/rl --corpus <lab>/corpus.jsonl --model <sft> --lr L --mini-batch-size M --seed N [--no-llds]
 --resume`, one thread each, `--jobs` side by side. Checkpoints stay in runs/lab/; a finished run's
 small files (metrics.jsonl, config.json, machine.json, and the SFT model's hash) are copied into
 docs/lab/ and the run is skipped from then on. Killed runs continue from their last checkpoint.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tasks.lab import build_lab  # noqa: E402
+from tasks.lab import build_lab, lab_dir  # noqa: E402
 
 PY = sys.executable
 SFT_DIR = ROOT / "runs" / "lab" / "sft"
@@ -108,12 +108,14 @@ def check(model: Path, questions: int = 200) -> dict:
     import retriever
     import rollout
     import train
+    from plumbing import fast_hf
     from plumbing.models import load_policy
     from plumbing.search_health import shared_first_search
 
     torch.manual_seed(0)
     lab = build_lab()
     policy, tokenizer = load_policy(str(model))
+    fast_hf.use_fast_attention(policy)                         # as train.py runs it
     cfg = train.rollout_config(train.Config(**train.PRESETS["lab"]))
     records = data.heldout_set(str(lab / "rl"), questions)
     out = rollout.rollout(policy, tokenizer, [r for r in records for _ in range(5)],
@@ -139,7 +141,9 @@ def train_run(model: Path, out_dir: Path, docs_dir: Path, name: str, seed: int, 
     """One lab run to its end (resumed if it was killed), its small files copied to docs_dir/name."""
     if finished(docs_dir / name):
         return f"{docs_dir / name}: done already"
-    cmd = [PY, "train.py", "--preset", "lab", "--model", str(model), "--out-dir", str(out_dir), "--name", name,
+    lab = lab_dir()
+    cmd = [PY, "train.py", "--preset", "lab", "--data", str(lab / "rl"), "--corpus", str(lab / "corpus.jsonl"),
+           "--model", str(model), "--out-dir", str(out_dir), "--name", name,
            "--seed", str(seed), "--lr", str(lr), "--mini-batch-size", str(BATCH // updates), "--resume"]
     cmd += [] if llds else ["--no-llds"]
     log = out_dir / f"{name}.log"

@@ -261,6 +261,7 @@ def score_final_checkpoints(run_dirs: list[Path], checkpoints: Path, n: int) -> 
     import train
     from eval import heldout_eval, resolve_model
     from plumbing import runs as run_files
+    from plumbing import fast_hf
     from plumbing.models import load_policy
 
     for run_dir in run_dirs:
@@ -270,6 +271,7 @@ def score_final_checkpoints(run_dirs: list[Path], checkpoints: Path, n: int) -> 
         if target.exists() or ckpt is None or int(ckpt.name.split("-")[1]) != cfg.steps:
             continue
         model, tokenizer = load_policy(resolve_model(str(ckpt)))
+        fast_hf.use_fast_attention(model)                      # as train.py scored it
         records = data.heldout_set(cfg.eval_data or cfg.data, n)
         retriever = retrieval.open_retriever(cfg.retriever, corpus=data.corpus_for([cfg.data], cfg.retriever, cfg.corpus),
                                              index=cfg.index or None)

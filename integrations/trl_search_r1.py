@@ -47,6 +47,7 @@ import rollout as ro  # noqa: E402
 from integrations.trl_llds import LLDSGRPOTrainer  # noqa: E402
 from llds import GATES  # noqa: E402
 from plumbing import cli, fast_hf, models  # noqa: E402
+from plumbing.cli import flag  # noqa: E402
 from plumbing.fewshot import FEWSHOT_EXAMPLES  # noqa: E402
 
 SYSTEM = ("Answer the question. Call the search tool to look things up, then give the final answer as "
@@ -57,28 +58,29 @@ SHOWN = ("reward", "tools/call_frequency", "llds/loss", "llds/active_token_frac"
 
 @dataclass
 class Config:
-    name: str = "trl-search-r1"        # run name: the output goes to <out-dir>/<name> [text]
-    out_dir: str = "runs"              # parent folder of the run's output ("" = a temporary folder) [any]
-    model: str = ""                    # HF model folder; "" = embedded SmolLM2-135M-Instruct [any]
-    data: str = "toy_nq"               # training questions (see data.load_questions) [any]
-    corpus: str = ""                   # JSONL corpus for BM25; "" = the toy world's [file]
-    topk: int = 3                      # passages per search [>= 0]
-    steps: int = 2                     # optimiser steps [>= 1]
-    questions: int = 4                 # questions per generation batch [>= 1]
-    group_size: int = 4                # completions per question (GRPO group) [>= 2]
-    updates_per_generation: int = 2    # optimiser steps per generation batch (LLDS needs >= 2) [>= 2]
-    micro_batch_size: int = 2          # completions per forward/backward [>= 1]
-    max_completion_tokens: int = 256   # model and tool tokens per completion (3 passages are ~150) [>= 1]
-    max_tool_calls: int = 2            # tool-calling turns per completion [>= 0]
-    temperature: float = 0.7           # sampling temperature [> 0]
-    format_score: float = 0.1          # reward of a well-formed wrong <answer> (Search-R1's qa_em knob; 0 = EM only) [0..1]
-    lr: float = 2e-5                   # AdamW learning rate [>= 0]
-    llds_lambda: float = 0.2           # LLDS coefficient (0 = plain GRPO) [>= 0]
-    llds_gate: str = "action"          # LLDS gate: action, response or token [choice]
-    answer_weight: str = "1.0"         # LLDS-MA weight of the final answer: a number, or "adaptive" = min(V/2, 1) [any]
-    report_to: str = "none"            # TRL logging backends (tensorboard, wandb, ...): llds/* go there too [any]
-    seed: int = 0                      # sampling and shuffling seed [0..4294967295]
-    threads: int = 0                   # torch CPU threads; 0 = torch's default (1 when other jobs share the cores) [>= 0]
+    name: str = flag("trl-search-r1", "run name: the output goes to <out-dir>/<name>", "text")
+    out_dir: str = flag("runs", "parent folder of the run's output; '' = a temporary one", "any")
+    model: str = flag("", "HF model folder; '' = embedded SmolLM2-135M-Instruct", "any")
+    data: str = flag("toy_nq", "training questions (see data.load_questions)", "any")
+    corpus: str = flag("", "JSONL corpus for BM25; '' = the toy world's", "file")
+    topk: int = flag(3, "passages per search", ">= 0")
+    steps: int = flag(2, "optimiser steps", ">= 1")
+    questions: int = flag(4, "questions per generation batch", ">= 1")
+    group_size: int = flag(4, "completions per question (GRPO group)", ">= 2")
+    updates_per_generation: int = flag(2,
+        "optimiser steps per generation batch; LLDS needs two or more", ">= 2")
+    micro_batch_size: int = flag(2, "completions per forward/backward", ">= 1")
+    max_completion_tokens: int = flag(256, "model and tool tokens per completion", ">= 1")
+    max_tool_calls: int = flag(2, "tool-calling turns per completion", ">= 0")
+    temperature: float = flag(0.7, "sampling temperature", "> 0")
+    format_score: float = flag(0.1, "reward of a well-formed wrong <answer>; 0 = EM only", "0..1")
+    lr: float = flag(2e-5, "AdamW learning rate", ">= 0")
+    llds_lambda: float = flag(0.2, "LLDS coefficient; 0 = plain GRPO", ">= 0")
+    llds_gate: str = flag("action", "LLDS gate: action, response or token", "choice")
+    answer_weight: str = flag("1.0", "LLDS-MA answer weight: a number or 'adaptive'", "any")
+    report_to: str = flag("none", "TRL logging backends (tensorboard, wandb, ...)", "any")
+    seed: int = flag(0, "sampling and shuffling seed", "0..4294967295")
+    threads: int = flag(0, "torch CPU threads; 0 = torch's default", ">= 0")
 
 
 def search_tool(corpus: str, topk: int):

@@ -4,31 +4,33 @@ The top-level scripts (llds.py, train.py, rollout.py, retriever.py, eval.py, dat
 method. Everything here is there to make them fast, robust or convenient, not to explain
 anything: each module says what it speeds up or takes care of.
 
-    fast_hf.py    exact speed-ups of Hugging Face internals: a KV cache that grows in place, SDPA
-                  sharing K/V heads, the shared-prefix forward, the chunked LM head, the one
-                  bf16 autocast check, rollout's batch of episodes sharing one KV cache
+    fast_hf.py    exact speed-ups of Hugging Face internals: a KV cache that grows in place, one
+                  model's attention with SDPA sharing K/V heads, the shared prompt prefix run once
+                  (prefix_once), the LM head in checkpointed chunks, the one bf16 autocast check,
+                  rollout's batch of episodes sharing one KV cache
     tokens.py     token-level details of forced text and of the answer span
     fewshot.py    the text of the "fewshot" prompt's worked examples, and of eval.py's rag / direct prompts
     models.py     loading a policy; converting the embedded SmolLM2 GGUF once into an HF folder;
                   the KL reference copy; the policy placed for training; tiny models built in code
-    memory.py     glibc allocator settings and peak-memory readings
-    runs.py       run folders: what train.py's setup() returns (Run), the device, the run's start,
+    memory.py     allocator settings (CUDA's, glibc's, oneDNN's caches) and peak-memory readings
+    runs.py       run folders: what train.py's setup() returns (Run), the device, seeds,
                   checkpoints and RNG state, the model folder eval.py finds in a run, metrics log,
                   samples, prompt sampler, a micro-batch's rows, phase timing and what the progress
                   bar says of it, the spiral monitor's warnings, the step's mini- and micro-batches
-                  and their means, AdamW as each device wants it, a user error's one-line exit
+                  and their logged means, AdamW as each device wants it, a user error's one line
     search_health.py  per-step health of search and groups: answer in passages, unique queries,
                   tied groups, correct/incorrect pairs sharing the first search
     token_view.py the token-level view of a step (views/*.html, *.jsonl) and its index page
-    dynamic_sampling.py  --drop-tied-groups: tied groups' prompts redrawn and their rows swapped in
+    dynamic_sampling.py  --drop-tied-groups: the redrawn groups' rows swapped into a rollout
     scores.py     cover-EM, pass@k, avg@k / pass@k with bootstrap intervals
     memory_plan.py  --plan: what a run will hold in memory, from the model's config
+    presets.py    train.py's --preset settings: the paper's, one GPU's, the LLD lab's
     report.py     a train.py run's log files (config.json, machine.json, metrics.jsonl); --report-to:
                   metrics.jsonl's numbers also sent to TensorBoard and/or W&B
     plots.py      training curves of one run, or several overlaid
-    cli.py        a config dataclass -> argparse flags whose --help is the field comments and
-                  whose values are held to each field's declared range; the fields two config
-                  classes share; one-line parser errors
+    cli.py        `flag()` config fields -> argparse flags with their --help and values held to
+                  each field's declared range; the fields two config classes share; one-line
+                  parser errors
     corpus.py     a corpus file memory-mapped (parsed once), its fingerprint, index metadata
     bm25_index.py BM25's index built a chunk of passages at a time, and its search over postings
     dense_index.py  faiss indexes filled as passages are encoded, read memory-mapped, moved to a

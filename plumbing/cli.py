@@ -1,45 +1,47 @@
-"""A configuration dataclass -> argparse flags: every field becomes `--field-name` (booleans get
-`--no-` too), and the comment after the field in the source is its --help text (train.py's
-Config, eval.py's RolloutConfig, sft.py's Config). The comment ends in the field's declared range,
-in brackets, which `check_ranges` enforces and --help shows:
+"""A configuration dataclass -> argparse flags. Each field is declared with `flag(default, help,
+accepts)`: every field becomes `--field-name` (booleans get `--no-` too), `help` is its --help text
+and `accepts` the values it takes, which `check_ranges` enforces and --help shows:
 
-    [>= 1]  [> 0, <= 1]  [0..4294967295]   numbers (floats also finite)
-    [choice]   one of the values the script lists for it (its CHOICES)
-    [text]     a non-empty string        [file]  "" or an existing file
-    [any]      anything the type takes; checked where it is used (a model name, a URL, ...)
+    ">= 1"  "> 0, <= 1"  "0..4294967295"   numbers (floats also finite)
+    "choice"   one of the values the script lists for it (its CHOICES)
+    "text"     a non-empty string        "file"  "" or an existing file
+    "any"      anything the type takes; checked where it is used (a model name, a URL, ...)
 
 Also the checks of train.py's settings that end in one clear error, and an argparse parser whose
 errors are one line."""
 import argparse
 import dataclasses
-import inspect
 import math
 import operator
 import os
-import re
 import sys
 import typing
 
 
+def flag(default, help: str, accepts: str | None = None):
+    """A config field: its default, its --help text and the values it accepts (None for booleans)."""
+    return dataclasses.field(default=default, metadata={"help": help, "accepts": accepts})
+
+
 def field_help(config_class) -> dict[str, str]:
-    """{field: the comment after it in the class's source}."""
-    return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(config_class), re.M))
+    """{field: its --help text}."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(config_class)}
 
 
-RANGE = re.compile(r"\[([^\[\]]+)\]\s*$")       # the [...] that ends a field's comment
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 def field_ranges(config_class) -> dict[str, str]:
-    """{field: its declared range}, e.g. "[>= 1]" -> ">= 1", for every field but the booleans; a
-    field without one is a programming error (TypeError), so none can be added without a range."""
-    helps, types, ranges = field_help(config_class), typing.get_type_hints(config_class), {}
+    """{field: the values it accepts}, e.g. ">= 1", for every field but the booleans; a field
+    without them is a programming error (TypeError), so none can be added without a range."""
+    types, ranges = typing.get_type_hints(config_class), {}
     for f in dataclasses.fields(config_class):
         if types[f.name] is bool:
             continue
-        if (m := RANGE.search(helps.get(f.name, ""))) is None:
-            raise TypeError(f"{config_class.__name__}.{f.name} declares no range: end its comment with [...]")
-        ranges[f.name] = m.group(1).strip()
+        if not f.metadata.get("accepts"):
+            raise TypeError(f"{config_class.__name__}.{f.name} declares no range: "
+                            "declare it with flag(default, help, accepts)")
+        ranges[f.name] = f.metadata["accepts"]
     return ranges
 
 
@@ -108,7 +110,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config_class, defaults=Non
     for f in dataclasses.fields(config_class):
         flag, kind = "--" + f.name.replace("_", "-"), types[f.name]
         default = f.default if defaults is None else getattr(defaults, f.name)
-        text = f"{helps.get(f.name, '')} (default: {default})"
+        accepts = f" [{ranges[f.name]}]" if ranges.get(f.name, "any") not in ("any", "choice") else ""
+        text = f"{helps.get(f.name, '')}{accepts} (default: {default})"
         if kind is bool:
             parser.add_argument(flag, default=argparse.SUPPRESS, help=text, action=argparse.BooleanOptionalAction)
             continue

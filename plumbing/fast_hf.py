@@ -2,18 +2,22 @@
 the same math with other rounding, said where it is so:
 
 * `autocast`: the one bf16 check: autocast on CUDA and on CPUs with native bf16 units;
-* `speed_up_cpu_attention`: SDPA's own grouped-query attention instead of HF repeating K/V
-  heads, and decode-step attention in float32 under CPU bf16 autocast (other rounding);
+* `use_fast_attention`: one model's attention with SDPA's own grouped-query attention instead of
+  HF repeating K/V heads, and decode-step attention in float32 under CPU bf16 autocast (other
+  rounding);
 * `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
 * `share_rows`: a rollout's few-shot prefix kept once in the cache for all rows; a decode step
   attends to it with one product for all rows (float32; other rounding than B copies);
-* `hidden_states`: the prompt prefix that all rows share runs once, then is expanded; with a
-  `PrefixStore`, once per pass at fixed weights, and with grad its backward runs once per
-  mini-batch (the gradient summed in another order);
-* `head_in_chunks`: train.py's `head_logprobs` on model tokens only, in checkpointed chunks;
+* `prefix_once`: the model for train.py's log-probs, the prompt prefix all rows share run once
+  per context (a pass, or a mini-batch's update) and with grad its backward once on leaving it
+  (the gradient summed in another order);
+* `in_checkpointed_chunks`: train.py's `head_logprobs` a chunk of rows at a time;
 * `KVBatch`, `StopChecker`: rollout.py's batch of episodes sharing one KV cache with holes,
   and its per-row stop check that decodes only when a token could close a tag.
 """
+import contextlib
+import functools
+import types
 import weakref
 
 import torch
@@ -40,50 +44,66 @@ def autocast(device: torch.device, enabled: bool = True):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and bf16_supported(device))
 
 
-def speed_up_cpu_attention() -> None:
-    """Process-wide switches for SDPA attention, two on CPU tensors (GPUs keep HF's choices):
+FAST_ATTENTION = "sdpa_shared_prefix"     # the attention implementation use_fast_attention sets
 
-    * K/V heads are shared by SDPA itself (enable_gqa) instead of HF repeating them (3x for
-      SmolLM2) whenever an attention mask is given, which is always in rollouts (the cache has
-      holes): the same numbers, ~4x faster per layer at 16 rows x 900 tokens;
-    * a decode step (one query token) under bf16 autocast runs its attention in float32: under
-      autocast SDPA casts the query and the WHOLE key/value cache to bf16 at every step and runs
-      the CPU bf16 kernel, which at one query token was 4-5x slower than float32 (26 vs 6 ms for
-      32 rows x 400 positions). Projections and MLPs stay in bf16; prefill and training are
-      unchanged (many query tokens, where the bf16 kernel pays).
 
-    And on any device: keys tagged by a `SharedPrefixLayer` are attended with the shared prefix,
-    in one product for all rows at a decode step (`shared_prefix_attention`), on copies of it
-    for a chunk of many tokens.
-    """
+def use_fast_attention(model) -> None:
+    """Switch `model`, and only it, to this module's attention (registered under its own name, so
+    no other model's "sdpa" changes): HF's SDPA attention, with on CPU tensors
+
+    * K/V heads shared by SDPA itself (enable_gqa) instead of HF repeating them (3x for SmolLM2)
+      whenever an attention mask is given, which is always in rollouts (the cache has holes): the
+      same numbers, faster;
+    * a decode step (one query token) under bf16 autocast in float32: under autocast SDPA casts the
+      query and the WHOLE key/value cache to bf16 at every step, and the CPU bf16 kernel is slower
+      at one query token than float32 (other rounding). Prefill and training are unchanged;
+
+    and on any device, keys tagged by a `SharedPrefixLayer` attended with the shared prefix, in one
+    product for all rows at a decode step (`shared_prefix_attention`). Without this call rollout()
+    computes the same with a plain cache (share_rows copies the prefix per row)."""
     from transformers import AttentionInterface
-    from transformers.integrations import sdpa_attention
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    original = sdpa_attention.use_gqa_in_sdpa
-    if getattr(original, "shares_on_cpu", False):
+    if not hasattr(model, "set_attn_implementation"):       # not an HF model: its own attention
         return
-
-    def use_gqa(attention_mask, key, value):
-        return (key.device.type == "cpu" and key.shape[-1] == value.shape[-1]) or original(attention_mask, key, value)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        prefix = getattr(key, "shared_prefix", None)           # set by SharedPrefixLayer.update
-        if prefix is not None and query.shape[-2] == 1:
-            return shared_prefix_attention(query, key, value, *prefix, attention_mask, kwargs["scaling"])
-        if prefix is not None:       # many query tokens (an observation): SDPA on copies of the prefix
-            key, value = (torch.cat([p.expand(len(t), -1, -1, -1), t], dim=-2) for p, t in zip(prefix, (key, value)))
-        if query.device.type == "cpu" and query.shape[-2] == 1 and torch.is_autocast_enabled("cpu"):
-            with torch.autocast("cpu", enabled=False):
-                return sdpa_attention.sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                                             attention_mask, **kwargs)
-        return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    use_gqa.shares_on_cpu = True
-    sdpa_attention.use_gqa_in_sdpa = use_gqa
-    AttentionInterface.register("sdpa", attention)
+    AttentionInterface.register(FAST_ATTENTION, _attention)
+    AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(FAST_ATTENTION)
 
 
-# Devices whose decode-step attention runs in float32 (speed_up_cpu_attention): their caches keep
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    prefix = getattr(key, "shared_prefix", None)           # set by SharedPrefixLayer.update
+    if prefix is not None and query.shape[-2] == 1:
+        return shared_prefix_attention(query, key, value, *prefix, attention_mask, kwargs["scaling"])
+    if prefix is not None:       # many query tokens (an observation): SDPA on copies of the prefix
+        key, value = (torch.cat([p.expand(len(t), -1, -1, -1), t], dim=-2)
+                      for p, t in zip(prefix, (key, value)))
+    if query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    forward = _cpu_sdpa if key.shape[-1] == value.shape[-1] else sdpa_attention_forward
+    if query.shape[-2] == 1 and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _cpu_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+              is_causal=None, **kwargs):
+    """HF's sdpa_attention_forward with SDPA's own grouped-query attention also under a mask."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = q_length > 1 and attention_mask is None and is_causal
+    if is_causal and kv_length > q_length:          # as HF: a causal mask aligned at the top left
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=is_causal, enable_gqa=getattr(module, "num_key_value_groups", 1) > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# Devices whose decode-step attention runs in float32 (use_fast_attention): their caches keep
 # the float32 keys RoPE gives under autocast, as a bf16 copy would be cast back at every step.
 FLOAT32_ATTENTION = ("cpu",)
 
@@ -142,7 +162,7 @@ class SharedPrefixLayer(GrowingLayer):
     (1, kv_heads, P, d), then each row's own positions (B, kv_heads, S, d) growing in place.
 
     HF's attention receives only the rows' own keys/values, tagged with the prefix, which the
-    "sdpa" function of `speed_up_cpu_attention` reads (`shared_prefix_attention`). At 32 rows and
+    attention of `use_fast_attention` reads (`shared_prefix_attention`). At 32 rows and
     a 460-token prefix a decode step reads the prefix's keys/values once instead of 32 times.
     """
 
@@ -188,7 +208,7 @@ def share_rows(cache, n_rows: int, model) -> None:
     """Make the one-row cache (the prompt prefix) the start of `n_rows` rows: stored once when
     the cache and the model's attention allow it (`SharedPrefixLayer`), else copied per row."""
     layers = getattr(cache, "layers", None)
-    if (getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" and layers
+    if (getattr(getattr(model, "config", None), "_attn_implementation", None) == FAST_ATTENTION and layers
             and all(type(layer) is GrowingLayer for layer in layers)):
         cache.layers = [SharedPrefixLayer(layer.keys, layer.values, n_rows) for layer in layers]
     else:
@@ -212,32 +232,35 @@ def shared_prefix_len(input_ids, attention_mask) -> int:
 
 
 class PrefixStore:
-    """The few-shot prefix's last hidden states and keys/values, run once per pass at fixed
-    weights (a no-grad pass, or the micro-batches of one mini-batch) and reused by every
-    micro-batch: the very tensors a forward would give, so every forward number is the same.
-    Built from the step's rows (input_ids, attention_mask (N, T)), it holds only the prefix ALL
-    of them share: a micro-batch of one question's rows would otherwise run (and, with grad,
-    keep) its own longer prefix, one graph per micro-batch until `backward()` (1.4-2x the planned
-    update memory). Every pass of a step builds it from the same rows, so each micro-batch splits
-    at the same column in all of them, which keeps old and update log-probs equal bit for bit.
+    """The few-shot prefix's last hidden states and keys/values, run once per `prefix_once` context
+    at fixed weights and reused by every micro-batch: the very tensors a forward would give, so
+    every forward number is the same. Built from the step's rows (input_ids, attention_mask (N, T)),
+    it holds only the prefix ALL of them share: a micro-batch of one question's rows would otherwise
+    run (and, with grad, keep) its own longer prefix. Every pass of a step builds it from the same
+    rows, so each micro-batch splits at the same column in all of them, which keeps old and update
+    log-probs equal bit for bit.
 
-    With grad, each micro-batch's backward stops at leaves that collect the prefix's gradient,
-    and `backward()` (once, before the optimizer step) runs the prefix's own backward with their
-    sum: the same gradient as a backward through the prefix per micro-batch, the sum taken in
-    another order.
+    With grad, each micro-batch's backward stops at leaves that collect the prefix's gradient, and
+    `backward()` runs the prefix's own backward once with their sum: the same gradient as a backward
+    through the prefix per micro-batch, the sum taken in another order.
     """
 
     def __init__(self, input_ids, attention_mask):
-        self.limit = shared_prefix_len(input_ids, attention_mask)    # columns every row of the step shares
+        self.limit = shared_prefix_len(input_ids, attention_mask)    # columns every row shares
         self.prefixes = {}             # prefix ids -> (hidden (1, p, H), [(keys, values)] per layer)
         self.graphs = []               # (outputs, their leaves) whose backward is still to run
+        self.closed = False
 
     def run(self, model, ids, mask):
         """The prefix's last hidden states (1, p, H) and a KV cache holding it."""
+        if self.closed:
+            raise RuntimeError("a prefix_once model was used after its context closed: its prefix "
+                               "gradient would be lost")
         key = tuple(ids[0].tolist())
         if key not in self.prefixes:
             out = model.base_model(input_ids=ids, attention_mask=mask, use_cache=True)
-            tensors = [out.last_hidden_state] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            layers = out.past_key_values.layers
+            tensors = [out.last_hidden_state] + [t for l in layers for t in (l.keys, l.values)]
             if torch.is_grad_enabled():
                 leaves = [t.detach().requires_grad_() for t in tensors]
                 self.graphs.append((tensors, leaves))
@@ -252,55 +275,82 @@ class PrefixStore:
     def backward(self) -> None:
         """Backward through each prefix run with grad, once, with the gradient its leaves collected."""
         for tensors, leaves in self.graphs:
-            pairs = [(t, leaf.grad) for t, leaf in zip(tensors, leaves) if leaf.grad is not None and leaf.grad.any()]
+            pairs = [(t, leaf.grad) for t, leaf in zip(tensors, leaves)
+                     if leaf.grad is not None and leaf.grad.any()]
             if pairs:
                 torch.autograd.backward(*zip(*pairs))
-        self.graphs, self.prefixes = [], {}
+        self.graphs, self.prefixes, self.closed = [], {}, True
 
 
-def hidden_states(model, input_ids, attention_mask, share_prefix=True, prefix_store=None):
-    """The last hidden states (B, T, H), running the prompt prefix all rows share only once.
+def hidden_states(model, input_ids, attention_mask, store: PrefixStore):
+    """The last hidden states (B, T, H), the prompt prefix all rows share run once (by `store`).
 
-    The few-shot prompt is ~60% of every CPU-demo trajectory. Its keys/values are computed for
-    one row, expanded to all rows as a KV cache, and the rest runs on top: the same numbers as
-    one plain forward (rows see the same keys/values) and the same gradients (the expansion sums
-    them over rows). Measured on SmolLM2, 4 rows x 764 tokens, bf16 autocast, fwd+bwd: 6.9 s and
-    3.5 GB peak RSS instead of 13.0 s and 4.7 GB. Gradient checkpointing disables HF's cache in
-    training, so with it (GPU runs) every pass runs `share_prefix=False`: a plain forward. The
-    caller picks the path from the config, never from grad mode: in bf16 the two paths differ
-    by up to 0.36 nats/token, and old, reference and update log-probs must come from one path.
-    prefix_store: a PrefixStore, with which the micro-batches of one pass share one prefix run.
-    """
+    The few-shot prompt is most of every CPU-demo trajectory. Its keys/values are computed for one
+    row, expanded to all rows as a KV cache, and the rest runs on top: the same numbers as one plain
+    forward (rows see the same keys/values) and the same gradients (the expansion sums them over
+    rows)."""
     n, length = input_ids.shape
-    p = min(shared_prefix_len(input_ids, attention_mask), length - 1, prefix_store.limit if prefix_store else length)
-    if not share_prefix or n == 1 or p < 16:
+    p = min(shared_prefix_len(input_ids, attention_mask), length - 1, store.limit)
+    if n == 1 or p < 16:
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                 use_cache=False).last_hidden_state
-    if prefix_store is None:
-        out = model.base_model(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True)
-        first_hidden, cache = out.last_hidden_state, out.past_key_values
-    else:
-        first_hidden, cache = prefix_store.run(model, input_ids[:1, :p], attention_mask[:1, :p])
-    cache.batch_repeat_interleave(n)                  # (1, heads, p, d) -> (n, heads, p, d), differentiable
+    first_hidden, cache = store.run(model, input_ids[:1, :p], attention_mask[:1, :p])
+    cache.batch_repeat_interleave(n)       # (1, heads, p, d) -> (n, heads, p, d), differentiable
     positions = torch.arange(p, length, device=input_ids.device).expand(n, -1)
-    rest = model.base_model(input_ids=input_ids[:, p:], attention_mask=attention_mask, past_key_values=cache,
-                            position_ids=positions, use_cache=True).last_hidden_state  # (n, T - p, H)
+    rest = model.base_model(input_ids=input_ids[:, p:], attention_mask=attention_mask,
+                            past_key_values=cache, position_ids=positions,
+                            use_cache=True).last_hidden_state                 # (n, T - p, H)
     return torch.cat([first_hidden.expand(n, -1, -1), rest], dim=1)
 
 
-def head_in_chunks(head_logprobs, lm_head, hidden, targets, temperature, chunk=1024):
-    """head_logprobs(lm_head, hidden, targets, temperature) -> two (N,) float32 (train.py's), run
-    on `chunk` rows of hidden (N, H) and targets (N,) at a time; with grad each chunk is
-    checkpointed, so at most chunk x vocab logits live. The same numbers as one call (tested)."""
-    logps, entropies = [], []
-    for start in range(0, len(targets), chunk):
-        args = (lm_head, hidden[start:start + chunk], targets[start:start + chunk], temperature)
-        lp, ent = checkpoint(head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else head_logprobs(*args)
-        logps.append(lp)
-        entropies.append(ent)
-    if not logps:
-        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(logps), torch.cat(entropies)
+class _SharedPrefixModel:
+    """`model`, but base_model(input_ids=, attention_mask=) runs the shared prefix once (store)."""
+
+    def __init__(self, model, store: PrefixStore):
+        self.model, self.store = model, store
+
+    def base_model(self, input_ids, attention_mask, **kwargs):
+        hidden = hidden_states(self.model, input_ids, attention_mask, self.store)
+        return types.SimpleNamespace(last_hidden_state=hidden)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@contextlib.contextmanager
+def prefix_once(model, input_ids, attention_mask, enabled: bool = True):
+    """`model` for train.py's token_logprobs, whose forward runs the prompt prefix that all rows of
+    (input_ids, attention_mask) (N, T) share once for the whole context: the same numbers as the
+    plain forward (tested), in about half the time of a few-shot CPU demo's forward and backward.
+    With grad, each backward inside the context stops at the prefix's outputs, and leaving the
+    context runs the prefix's own backward once with the gradient they collected, so the context
+    closes before the optimizer step. enabled=False (gradient checkpointing, under which HF keeps
+    no cache in training) yields `model` itself: every pass of a run must take the same path."""
+    if not enabled:
+        yield model
+        return
+    store = PrefixStore(input_ids, attention_mask)
+    yield _SharedPrefixModel(model, store)
+    store.backward()
+
+
+def in_checkpointed_chunks(rows: int = 1024):
+    """Decorator: f(head, hidden (N, H), targets (N,), *args) -> tensors (N,), run `rows` rows at a
+    time, each chunk checkpointed under grad, so that at most rows x vocabulary logits live at once.
+    The same numbers as one call (tested)."""
+    def decorate(f):
+        @functools.wraps(f)
+        def chunked(head, hidden, targets, *args):
+            chunks = zip(hidden.split(rows), targets.split(rows))
+            if torch.is_grad_enabled():
+                parts = [checkpoint(f, head, h, t, *args, use_reentrant=False) for h, t in chunks]
+            else:
+                parts = [f(head, h, t, *args) for h, t in chunks]
+            if not parts:
+                return f(head, hidden, targets, *args)
+            return tuple(torch.cat(x) for x in zip(*parts))
+        return chunked
+    return decorate
 
 
 class KVBatch:

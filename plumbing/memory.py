@@ -61,6 +61,17 @@ def _glibc():
     return libc if hasattr(libc, "malloc_trim") else None
 
 
+def configure_allocator(device: torch.device) -> None:
+    """Process-wide settings read when the device's allocator or oneDNN first runs, so called once,
+    before the first allocation (the user's own settings win). On CUDA: expandable segments, so the
+    changing shapes of KV buffers and micro-batches do not fragment the memory into an OOM. On a
+    CPU: oneDNN's caches bounded (bound_onednn_caches)."""
+    if device.type == "cuda":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    else:
+        bound_onednn_caches()
+
+
 def bound_onednn_caches(entries: int = 64) -> None:
     """A CPU's bf16 matmuls run in oneDNN, and two caches keep up to 1,024 of them each, a shape
     each (oneDNN's primitives, and PyTorch's ideep computations), with buffers: every new sequence

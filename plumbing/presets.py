@@ -1,5 +1,6 @@
-"""train.py's GPU presets: the paper's settings, and one-GPU presets of the same algorithm with a
-smaller batch, each sized by the memory plan (plumbing/memory_plan.py) for one 80 GB or 141 GB card.
+"""train.py's presets (--preset NAME), all of them: the paper's settings; one-GPU presets of the same
+algorithm with a smaller batch, each sized by the memory plan (plumbing/memory_plan.py) for one 80 GB
+or 141 GB card; and the LLD lab's RL settings (docs/lab/prereg.md).
 
 `--preset paper` is the LLDS paper's setting (section 4: Qwen2.5-3B-Instruct, NQ + HotpotQA, the E5
 retriever as a server, 512 prompts x 5 a step), run on one device: about 4 weeks on one H100 (the
@@ -37,3 +38,16 @@ GPU_PRESETS = {"paper": PAPER, **{
     f"one-gpu-{size}-{card}": {**ONE_GPU, "model": f"Qwen/Qwen2.5-{size.upper()}-Instruct",
                                "rollout_batch_size": rollout, "micro_batch_size": micro}
     for (size, card), (rollout, micro) in SIZED.items()}}
+
+# The LLD lab: the paper's RL settings on a ~1M-parameter model warm-started by sft.py. Its runner
+# (bench/lab_runs.py) passes --model (the SFT folder), --data and --corpus (the lab's folder), --lr
+# and --mini-batch-size.
+LAB = dict(
+    template="search-r1", max_turns=2, topk=3, max_turn_tokens=24, max_obs_tokens=200,
+    temperature=1.0, steps=300, prompts_per_step=8, group_size=5, drop_tied_groups=0,
+    micro_batch_size=10, rollout_batch_size=64, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001,
+    entropy_coef=0.001, grad_clip=1.0, llds_lambda=0.2, llds_gate="action",
+    llds_reduction="token-mean", eval_every=50, eval_size=100, eval_samples=4, eval_max_turns=2,
+    ckpt_every=25, keep_ckpts=1, samples_per_step=2, bf16=False, token_view_every=50)
+
+PRESETS = {**GPU_PRESETS, "lab": LAB}

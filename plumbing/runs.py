@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.memory import bound_onednn_caches, release_memory, reuse_freed_memory
+from plumbing.memory import release_memory
 
 
 @dataclass
@@ -38,24 +38,8 @@ class Run:
 
 
 def pick_device(name: str) -> torch.device:
-    """--device auto, cuda or cpu -> the device (auto: cuda when torch sees a GPU). On CUDA, before
-    the allocator starts: expandable segments (unless the user set PYTORCH_CUDA_ALLOC_CONF), so the
-    changing shapes of KV buffers and micro-batches do not fragment the memory into an OOM. On a
-    CPU, before the first matmul: oneDNN's caches bounded (bound_onednn_caches)."""
-    device = torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
-    if device.type == "cuda":
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    else:
-        bound_onednn_caches()
-    return device
-
-
-def start_run_dir(run_dir: Path, resume: bool, seed: int) -> Path:
-    """A run's start: the allocator settings of long runs, its folder (prepare_run_dir), the seeds."""
-    reuse_freed_memory()
-    run_dir = prepare_run_dir(run_dir, resume)
-    seed_everything(seed)
-    return run_dir
+    """--device auto, cuda or cpu -> the device (auto: cuda when torch sees a GPU)."""
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 @contextlib.contextmanager
@@ -173,11 +157,12 @@ class Phases:
     def note(self, text: str) -> None:
         self.show(f"{self.current} {text}")
 
-    def each(self, items: list, what: str):
-        """The items, noting "<what> i/n" before each."""
-        for i, item in enumerate(items):
-            self.note(f"{what} {i + 1}/{len(items)}")
-            yield item
+    def each(self, name: str, items: list, what: str):
+        """The items, iterated as the phase `name`, noting "<what> i/n" before each."""
+        with self(name):
+            for i, item in enumerate(items):
+                self.note(f"{what} {i + 1}/{len(items)}")
+                yield item
 
     @contextlib.contextmanager
     def __call__(self, name: str, release: bool = True):
@@ -503,19 +488,23 @@ def describe(cfg, device, n_eval: int, bf16: bool) -> str:
             f"search turns, retriever {cfg.retriever} top-{cfg.topk}")
 
 
-def update_stats(logged: list[dict], norms: list[float]) -> dict:
-    """The step's value of every metric logged per micro-batch ({"weight": w, name: value, ...}):
-    its mean weighted by w (None values left out); the mean finite gradient norm, and a max in
+def micro_metrics(share: float, pg, pg_stats: dict, kl, lld, lld_stats: dict) -> dict:
+    """One micro-batch's part of its mini-batch's logged values: the losses (already divided by
+    the mini-batch's normaliser) as they are, token means weighted by `share`, the micro-batch's
+    part of the mini-batch's tokens. Summed over the micro-batches: the mini-batch's values."""
+    weighted = {**pg_stats, **{k: lld_stats[k] for k in ("llds/active_token_frac",
+                                                         "llds/active_action_frac")}}
+    return {"pg_loss": pg.item(), "kl": kl.item(), "llds/loss": lld.item(),
+            **{k: v * share for k, v in weighted.items()}}
+
+
+def update_stats(sums: dict, norms: list[float], n_minibatches: int, kl: bool) -> dict:
+    """The step's logged values: each micro_metrics value summed over the step, over the number of
+    mini-batches (kl None without a reference model); the mean finite gradient norm, and a max in
     which a non-finite norm wins (max([1.0, nan]) is 1.0 in Python): the monitor must see it;
     grad_zero 1.0 when every norm was exactly 0 (every group tied: nothing to learn from)."""
-    sums, weights = {}, {}
-    for record in logged:
-        for name, value in record.items():
-            if name != "weight" and value is not None:
-                sums[name] = sums.get(name, 0.0) + value * record["weight"]
-                weights[name] = weights.get(name, 0.0) + record["weight"]
     finite = [x for x in norms if math.isfinite(x)]
-    return {"kl": None, **{k: sums[k] / weights[k] for k in sums if weights[k] > 0},
+    return {**{k: v / n_minibatches for k, v in sums.items()}, **({} if kl else {"kl": None}),
             "grad_norm": statistics.fmean(finite) if finite else float("nan"),
             "grad_norm_max": max(norms, key=lambda x: x if math.isfinite(x) else math.inf),
             "grad_norm_nonfinite": len(norms) - len(finite), "grad_zero": float(all(n == 0 for n in norms))}

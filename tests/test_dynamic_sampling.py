@@ -1,12 +1,12 @@
-"""--drop-tied-groups (plumbing/dynamic_sampling.py): tied groups' prompts redrawn, rows swapped in
-whole (padding widened), at most N rounds; and a train.py run that logs what it redrew."""
+"""--drop-tied-groups (train.py's step 1): rows swapped in whole, padding widened
+(plumbing/dynamic_sampling.py); at most N rounds, and a run that logs what it redrew."""
 import torch
 
 import rollout as ro
 import train
 from conftest import tiny_policy
-from plumbing.dynamic_sampling import redraw_tied_groups
-from test_train import step_lines, tiny_config
+from plumbing.dynamic_sampling import replace_rows
+from test_train import alternating_rewards, step_lines, tiny_config  # noqa: F401
 
 
 def fake_rollout(records, width, reward):
@@ -20,32 +20,23 @@ def fake_rollout(records, width, reward):
                       timing={"generate": 1.0, "retrieval": 0.5}, n_generated=n * width)
 
 
-def test_tied_groups_are_redrawn_until_they_spread_or_the_rounds_run_out():
-    # groups of 2: "a" spreads (1, 0), "b" ties (0, 0); new prompts "c" (tied) then "d" (spread)
-    spread = {"a", "d"}
-    reward = lambda r: float(r["id"] in spread and r["k"] == 0)                      # noqa: E731
-    records = [{"id": q, "k": k} for q in "ab" for k in range(2)]
-    pool = iter([{"id": "c"}, {"id": "d"}])
-    draw = lambda n: [next(pool) for _ in range(n)]                                  # noqa: E731
-    calls = []
-
-    def roll(recs):
-        recs = [{**r, "k": i % 2} for i, r in enumerate(recs)]
-        calls.append([r["id"] for r in recs])
-        return fake_rollout(recs, width=5, reward=reward)
-
-    out, recs, redrawn = redraw_tied_groups(fake_rollout(records, 3, reward), records, 5, 2, draw, roll)
-    assert calls == [["c", "c"], ["d", "d"]] and redrawn == 2
-    assert [r["id"] for r in recs] == ["a", "a", "d", "d"] and [e["id"] for e in out.episodes] == ["a", "a", "d", "d"]
-    assert out.input_ids.shape == (4, 5) and out.attention_mask[:2].sum(1).tolist() == [3, 3]   # old rows: 0s added
-    assert out.attention_mask[2:].sum(1).tolist() == [5, 5] and out.timing == {"generate": 3.0, "retrieval": 1.5}
-    # one round only: "c" stays, tied
-    pool = iter([{"id": "c"}, {"id": "d"}])
-    out, recs, redrawn = redraw_tied_groups(fake_rollout(records, 3, reward), records, 1, 2, draw, roll)
-    assert [r["id"] for r in recs] == ["a", "a", "c", "c"] and redrawn == 1
+def test_replace_rows_swaps_whole_rows_and_widens_the_padding():
+    records = [{"id": q} for q in "abcd"]
+    out = fake_rollout(records, 3, lambda r: 0.0)
+    new = fake_rollout([{"id": "x"}, {"id": "y"}], 5, lambda r: 1.0)
+    merged = replace_rows(out, [1, 3], new)
+    assert [e["id"] for e in merged.episodes] == ["a", "x", "c", "y"]
+    assert merged.input_ids.shape == (4, 5) and merged.attention_mask.sum(1).tolist() == [3, 5, 3, 5]
+    assert merged.logp[1].tolist() == [-0.0] * 5 and merged.logp[3].tolist() == [-1.0] * 5
+    assert merged.timing == {"generate": 2.0, "retrieval": 1.0} and merged.n_generated == 12 + 10
 
 
 def test_a_run_with_drop_tied_groups_logs_the_groups_it_redrew(tmp_path):
     # a random tiny model never answers right: every group ties, each round redraws both
     train.train(tiny_config(tmp_path, steps=1, eval_size=0, drop_tied_groups=2), *tiny_policy())
     assert step_lines(tmp_path / "run")[0]["rollout/redrawn_groups"] == 4
+
+
+def test_groups_with_a_spread_are_kept(tmp_path, alternating_rewards):
+    train.train(tiny_config(tmp_path, steps=1, eval_size=0, drop_tied_groups=2), *tiny_policy())
+    assert step_lines(tmp_path / "run")[0]["rollout/redrawn_groups"] == 0

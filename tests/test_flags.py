@@ -144,7 +144,7 @@ def fast(monkeypatch, tmp_path, shared):
     monkeypatch.setattr(retriever.time, "sleep", lambda s: None)
     monkeypatch.setattr(train, "plot_runs", lambda *a, **k: "")
     monkeypatch.setattr(runs, "release_memory", lambda: None)
-    monkeypatch.setattr(ev, "release_memory", lambda: None)
+    monkeypatch.setattr(ev.memory, "release_memory", lambda: None)
 
 
 @pytest.mark.parametrize("script,flag,value", CASES, ids=[f"{s}:{f}={v}" for s, f, v in CASES])
@@ -171,8 +171,8 @@ def test_every_flag_value_runs_or_ends_in_one_clear_line(script, flag, value, sh
 def test_a_field_without_a_declared_range_is_refused():
     @dataclasses.dataclass
     class Config:
-        steps: int = 1        # training steps [>= 1]
-        lr: float = 1e-3      # learning rate, no range
+        steps: int = cli.flag(1, "training steps", ">= 1")
+        lr: float = cli.flag(1e-3, "learning rate, no range")   # a comment is only a comment [>= 9]
 
     with pytest.raises(TypeError, match="Config.lr declares no range"):
         cli.add_config_flags(argparse.ArgumentParser(), Config)

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from plumbing import fast_hf, models, runs
+from plumbing import fast_hf, memory, models, runs
 from plumbing.search_health import shared_first_search
 from plumbing.tokens import answer_token_span
 from conftest import tiny_policy
@@ -56,12 +56,13 @@ def test_emulated_bf16_on_a_gpu_does_not_count(monkeypatch):
 
 def test_cuda_runs_get_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert runs.pick_device("cuda").type == "cuda" and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    memory.configure_allocator(torch.device("cuda"))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    runs.pick_device("cuda")
+    memory.configure_allocator(torch.device("cuda"))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    runs.pick_device("cpu")
+    memory.configure_allocator(torch.device("cpu"))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
@@ -104,8 +105,8 @@ def test_kv_keys_are_stored_in_the_compute_dtype_where_attention_runs_in_it(monk
     # D1: under bf16 autocast over fp32 weights RoPE leaves the keys fp32 (q * cos, cos in the fp32
     # residual's dtype) beside bf16 values: 1.5x the KV memory on a GPU, whose SDPA casts them to bf16
     # anyway. A CPU's decode attention runs in float32, so its cache keeps them (its numbers unchanged).
-    fast_hf.speed_up_cpu_attention()
     model, _ = tiny_policy(hidden_size=64, intermediate_size=128)
+    fast_hf.use_fast_attention(model)
     cpu, cpu_logits = tiny_kv_run(model)
     layer = cpu.cache.layers[0]
     assert type(layer) is fast_hf.SharedPrefixLayer
@@ -124,8 +125,8 @@ def test_a_turn_end_frees_the_full_batch_buffers_layer_by_layer():
     # until its next update (up to ~1.9x the cache at each turn end); now each buffer is replaced by
     # its kept rows, spare room included, so the next step writes in place.
     import weakref
-    fast_hf.speed_up_cpu_attention()
     model, _ = tiny_policy(hidden_size=64, intermediate_size=128)
+    fast_hf.use_fast_attention(model)
     with torch.no_grad():
         kv = fast_hf.KVBatch(model, 0)
         kv.start([[1, 2, 3, 4, 5, 6, 7, 8, 9, k] for k in range(3)])
@@ -162,9 +163,9 @@ def test_the_bf16_reference_gives_kl_exactly_0_at_equal_weights(tied):
     loss_mask[:, :10] = 0
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp = train.token_logprobs(model, ids, attention_mask, loss_mask, 1.0, False)[0]     # the update pass
+        logp = train.token_logprobs(model, ids, attention_mask, loss_mask, 1.0)[0]   # the update pass
         with torch.no_grad():
-            ref_logp = train.token_logprobs(ref, ids, attention_mask, loss_mask, 1.0, False)[0]
+            ref_logp = train.token_logprobs(ref, ids, attention_mask, loss_mask, 1.0)[0]
     assert torch.equal(logp.detach(), ref_logp) and train.masked_mean(train.kl_k3(logp, ref_logp), loss_mask) == 0
 
 

@@ -4,39 +4,29 @@ import math
 import pytest
 import torch
 
-from train import entropy_from_logprobs, group_advantages, kl_k3, masked_mean, masked_sum, policy_loss
+from train import group_advantages, head_logprobs, kl_k3, masked_mean, masked_sum, policy_loss
 
 NAN, INF = float("nan"), float("inf")
 
 
-def test_group_advantages_interleaved_ties_and_singletons():
-    # Groups interleaved on purpose: g0 = samples 0, 2, 4 with rewards 1, 1, 0;
-    # g1 = 1, 3, 5 with 0, 1, 0; g2 = 6, 7 with 1, 1 (tie); g3 = sample 8 alone.
+def test_group_advantages_by_hand_ties_exactly_zero():
+    # Groups of 3: g0 = 1, 1, 0; g1 = 0, 1, 0; g2 = 1, 1, 1 (tie).
     # g0: mean 2/3, unbiased var ((1/3)^2 * 2 + (2/3)^2) / 2 = 1/3, std 1/sqrt(3), so
     #     A = (1/3) * sqrt(3) = 0.57735 for the 1s and -(2/3) * sqrt(3) = -1.15470 for the 0.
-    # g1 is the mirror image; ties and the singleton give exactly 0.
-    rewards = torch.tensor([1., 0, 1, 1, 0, 0, 1, 1, 5])
+    # g1 is the mirror image; the tie gives exactly 0.
+    rewards = torch.tensor([1., 1, 0, 0, 1, 0, 1, 1, 1])
     a, b = 1 / math.sqrt(3), 2 / math.sqrt(3)
-    expected = torch.tensor([a, -a, a, b, -b, -a, 0, 0, 0])
-    for ids in ([0, 1, 0, 1, 0, 1, 2, 2, 3],
-                torch.tensor([7, 3, 7, 3, 7, 3, -1, -1, 100]),
-                ["nq:0", "hotpot:0", "nq:0", "hotpot:0", "nq:0", "hotpot:0", "x", "x", "y"]):
-        adv = group_advantages(rewards, ids)
-        assert torch.allclose(adv, expected, atol=1e-5)
-    # Check one value against torch's own unbiased std, eps included.
-    g0 = rewards[[0, 2, 4]]
+    adv = group_advantages(rewards, 3)
+    assert torch.allclose(adv, torch.tensor([a, a, -b, -a, b, -a, 0, 0, 0]), atol=1e-5)
+    assert torch.equal(adv[6:], torch.zeros(3))
+    # One value against torch's own unbiased std, eps included.
+    g0 = rewards[:3]
     assert adv[0].item() == pytest.approx(((1 - g0.mean()) / (g0.std() + 1e-6)).item())
 
 
 def test_group_advantages_exact_zero_for_non_binary_ties():
     # 0.1 * 3 / 3 != 0.1 in float32: a plain (r - mean) / (std + 1e-6) gives ~1e-2 noise.
-    adv = group_advantages(torch.full((3,), 0.1), [0, 0, 0])
-    assert torch.equal(adv, torch.zeros(3))
-
-
-def test_group_advantages_rejects_mismatched_shapes():
-    with pytest.raises(ValueError, match="group_advantages"):
-        group_advantages(torch.zeros(3), [0, 0])
+    assert torch.equal(group_advantages(torch.full((6,), 0.1), 3), torch.zeros(6))
 
 
 def test_masked_sum_and_mean_ignore_garbage():
@@ -71,30 +61,20 @@ def test_policy_loss_clipping_both_sides_token_mean():
     loss, stats = policy_loss(logp, old, adv, mask)
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5 + 1.0) / 5)   # 0.32
     assert stats["clip_ratio"] == pytest.approx(2 / 5)
-    # approx_kl = mean(old - logp) = -(2 log 1.5 + 2 log 0.5) / 5 = -2 log 0.75 / 5
-    assert stats["approx_kl"] == pytest.approx(-2 * math.log(0.75) / 5, rel=1e-5)
+    # ppo_kl = mean(old - logp) = -(2 log 1.5 + 2 log 0.5) / 5 = -2 log 0.75 / 5
+    assert stats["ppo_kl"] == pytest.approx(-2 * math.log(0.75) / 5, rel=1e-5)
     loss.backward()
     # d/dlogp of -A r is -A r / 5 on unclipped tokens; clipped tokens and padding get 0.
     expected = torch.tensor([[0.0, -0.5 / 5, 0.0], [0.0, 1.5 / 5, 1.0 / 5]])
     assert torch.allclose(logp.grad, expected)
 
 
-def test_policy_loss_seq_mean_token_mean_and_per_token_advantages():
+def test_policy_loss_divides_by_the_mini_batch_token_count():
+    # The same 5 tokens as a micro-batch of a mini-batch of 20 tokens: the sum over 20.
     logp, old, adv, mask = surrogate_batch()
-    loss, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
-    # Row means -0.85 and 3.3 / 3 = 1.1, averaged: 0.125.
-    assert loss.item() == pytest.approx(0.125)
-    per_token = torch.where(mask > 0, adv[:, None], NAN)         # (B, T) with junk outside
-    loss2, _ = policy_loss(logp, old, per_token, mask, agg="seq-mean-token-mean")
-    assert loss2.item() == pytest.approx(0.125)
-    loss2.backward()
-    assert torch.isfinite(logp.grad).all()
-
-
-def test_policy_loss_rejects_unknown_agg():
-    logp, old, adv, mask = surrogate_batch()
-    with pytest.raises(ValueError, match="agg"):
-        policy_loss(logp, old, adv, mask, agg="mean")
+    loss, stats = policy_loss(logp, old, adv, mask, 0.2, torch.tensor(20.0))
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5 + 1.0) / 20)
+    assert stats["clip_ratio"] == pytest.approx(2 / 5)       # stats stay this batch's means
 
 
 def test_kl_k3_against_direct_computation():
@@ -108,11 +88,15 @@ def test_kl_k3_against_direct_computation():
     assert torch.allclose(kl_k3(x, y), (u.exp() - u - 1).clamp(-10, 10))
 
 
-def test_entropy_from_logprobs():
-    logits = torch.zeros(2, 3, 7)                                 # uniform over 7
-    assert torch.allclose(entropy_from_logprobs(torch.log_softmax(logits, -1)), torch.full((2, 3), math.log(7)))
-    big = torch.tensor([[[1000.0, 0.0, 0.0]]])                    # stable, ~one-hot
-    assert entropy_from_logprobs(torch.log_softmax(big, -1)).item() == pytest.approx(0.0, abs=1e-6)
-    x = torch.randn(2, 4, 11, dtype=torch.float64)
-    p = x.softmax(-1)
-    assert torch.allclose(entropy_from_logprobs(torch.log_softmax(x, -1)), -(p * p.log()).sum(-1))
+def test_head_logprobs_log_prob_of_the_target_and_entropy():
+    head = head_logprobs.__wrapped__                              # one piece, no chunks
+    logits = torch.zeros(3, 7)                                    # uniform over 7
+    logp, ent = head(torch.nn.Identity(), logits, torch.tensor([0, 3, 6]), 1.0)
+    assert torch.allclose(logp, torch.full((3,), -math.log(7))) and torch.allclose(ent, torch.full((3,), math.log(7)))
+    big = torch.tensor([[1000.0, 0.0, 0.0]])                      # stable, ~one-hot
+    assert head(torch.nn.Identity(), big, torch.tensor([0]), 1.0)[1].item() == pytest.approx(0.0, abs=1e-6)
+    x = torch.randn(4, 11)
+    logp, ent = head(torch.nn.Identity(), x, torch.tensor([1, 2, 3, 4]), 0.5)
+    p = (x / 0.5).double().softmax(-1)
+    assert torch.allclose(ent.double(), -(p * p.log()).sum(-1), atol=1e-5)
+    assert torch.allclose(logp.double(), p.log()[torch.arange(4), [1, 2, 3, 4]], atol=1e-5)

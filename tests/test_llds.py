@@ -145,6 +145,17 @@ def test_seq_mean():
     assert loss.item() == pytest.approx((.875 / 5 + .25) / 3)
 
 
+def test_micro_batches_with_the_mini_batch_denominator_sum_to_the_whole():
+    # Rows 0-1 and rows 2-3 as two micro-batches of this mini-batch: each divided by the whole
+    # batch's Z (16 tokens; 3 preserving responses) sums to the one-batch loss exactly.
+    logp, old = batch()
+    for reduction, z, whole in (("token-mean", 16.0, 1.875 / 16), ("seq-mean", 3.0, 11 / 72)):
+        parts = [llds_loss(logp[rows], old[rows], ADV[rows], MASK[rows], reduction=reduction,
+                           denominator=torch.tensor(z))[0] for rows in ([0, 1], [2, 3])]
+        assert parts[0].item() == pytest.approx((1.375 / 16) if z == 16 else (27 / 72) / 3)
+        assert (parts[0] + parts[1]).item() == pytest.approx(whole)
+
+
 @pytest.mark.parametrize("reduction", ["token-mean", "seq-mean"])
 def test_zero_when_logp_equals_old(reduction):
     old = torch.randn(B, T)

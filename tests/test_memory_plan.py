@@ -170,9 +170,9 @@ def test_the_step_time_estimate_by_hand():
 
 ONEDNN_PROBE = """
 import os, sys, torch
-from plumbing import fast_hf, runs
+from plumbing import fast_hf, memory
 if sys.argv[1] == "bounded":
-    runs.pick_device("cpu")                                         # what every train.py run does first
+    memory.configure_allocator(torch.device("cpu"))                 # what every train.py run does first
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 torch.set_num_threads(1)
@@ -188,7 +188,7 @@ print(fast_hf.bf16_supported(torch.device("cpu")), (rss() - before) / 2**20)
 
 def test_a_cpu_run_bounds_onednns_caches_so_new_shapes_stop_adding_memory():
     # bf16 matmuls on a CPU keep each new shape in two caches of 1,024 entries: unbounded, 598 new
-    # shapes of one SmolLM2 weight add ~0.4 GiB; after pick_device("cpu") at most 64 entries stay.
+    # shapes of one SmolLM2 weight add ~0.4 GiB; after configure_allocator(cpu) at most 64 entries stay.
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
 
     def grown_mib(mode):

@@ -361,11 +361,11 @@ def test_shared_prefix_cache_gives_the_logits_of_per_row_copies():
     (a row fed a masked pad), chunks of different lengths and dropped rows; and the cache really
     holds one copy."""
     from plumbing import fast_hf
-    fast_hf.speed_up_cpu_attention()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
     model = LlamaForCausalLM(config).eval()
+    fast_hf.use_fast_attention(model)
     prompts = [list(range(1, 21)) + list(range(30, 30 + k)) for k in (1, 3, 5)]
 
     def feeds(kv):

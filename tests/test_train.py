@@ -1,5 +1,6 @@
 """Tests for the training loop in train.py: a tiny random Qwen2 model with a byte-level tokenizer
 on the toy world (in-process BM25). Every run here is a real train() call, a few seconds each."""
+import collections
 import dataclasses
 import json
 import math
@@ -141,104 +142,134 @@ def test_token_logprobs_match_a_full_forward():
     model, _ = tiny_policy()
     ids = torch.randint(0, 250, (2, 10))
     attention = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
-    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0, 1], [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0, 1], [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]],
+                        dtype=torch.float32)
     with torch.no_grad():
-        logp, ent = train.token_logprobs(model, ids, attention, mask)
-        logits = model(input_ids=ids, attention_mask=attention).logits.float()
+        logp, ent = train.token_logprobs(model, ids, attention, mask, 0.5)
+        logits = model(input_ids=ids, attention_mask=attention).logits.float() / 0.5
     # Position t scores token t from the logits at t - 1.
-    full = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    full_ent = train.entropy_from_logprobs(torch.log_softmax(logits[:, :-1], -1))
+    logp_all = torch.log_softmax(logits[:, :-1], -1)
+    full = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    full_ent = -(logp_all.exp() * logp_all).sum(-1)
     on = mask[:, 1:].bool()
     assert torch.allclose(logp[:, 1:][on], full[on], atol=1e-5)
     assert torch.allclose(ent[:, 1:][on], full_ent[on], atol=1e-5)
     assert torch.all(logp[mask == 0] == 0) and torch.all(ent[mask == 0] == 0)
-    # the LM head in chunks (here of 3 positions) gives the same numbers as in one piece
+
+
+def test_the_lm_head_in_checkpointed_chunks_gives_the_numbers_and_gradients_of_one_piece():
+    model, _ = tiny_policy()
+    plain = train.head_logprobs.__wrapped__                       # without the decorator
+    in_threes = fast_hf.in_checkpointed_chunks(rows=3)(plain)
     h, targets = torch.randn(7, model.config.hidden_size), torch.randint(0, 250, (7,))
-    with torch.no_grad():
-        for chunked, whole in zip(fast_hf.head_in_chunks(train.head_logprobs, model.lm_head, h, targets, 0.7, chunk=3),
-                                  train.head_logprobs(model.lm_head, h, targets, 0.7)):
-            assert torch.allclose(chunked, whole, atol=1e-6)
+    results = []
+    for f in (plain, in_threes):
+        x = h.clone().requires_grad_()
+        logp, ent = f(model.lm_head, x, targets, 0.7)
+        (logp.sum() + ent.sum()).backward()
+        results.append((logp.detach(), ent.detach(), x.grad))
+    for whole, chunked in zip(*results):
+        assert torch.allclose(chunked, whole, atol=1e-6)
+    empty = in_threes(model.lm_head, h[:0], targets[:0], 0.7)
+    assert [t.shape for t in empty] == [(0,), (0,)]
 
 
 def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
     model, _ = tiny_policy()
     prefix = torch.randint(0, 250, (20,))
     ids = torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1)         # (3, 29)
-    ids[2, 20] = ids[0, 20]                           # rows 0 and 2 share one token more: still p = 20
+    ids[2, 20] = ids[0, 20]                     # rows 0 and 2 share one token more: still p = 20
     attention = torch.ones_like(ids)
-    attention[1, -4:] = 0                             # right padding
+    attention[1, -4:] = 0                       # right padding
     assert fast_hf.shared_prefix_len(ids, attention) == 20
 
-    def run(fn):
+    def run(shared):
         model.zero_grad()
-        hidden = fn()
-        (hidden[attention.bool()] ** 2).mean().backward()
-        return hidden.detach(), [p.grad.clone() for p in model.base_model.parameters()]
+        with fast_hf.prefix_once(model, ids, attention, enabled=shared) as policy:
+            hidden = policy.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
+            (hidden[attention.bool()] ** 2).mean().backward()
+            inside = [p.grad.clone() for p in model.base_model.parameters()]
+        return hidden.detach(), [p.grad.clone() for p in model.base_model.parameters()], inside
 
-    plain, plain_grads = run(lambda: model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state)
-    shared, shared_grads = run(lambda: fast_hf.hidden_states(model, ids, attention))
+    plain, plain_grads, _ = run(False)
+    shared, shared_grads, inside = run(True)
     on = attention.bool()
     assert torch.allclose(shared[on], plain[on], atol=1e-5)
     for g, h in zip(shared_grads, plain_grads):
         assert torch.allclose(g, h, atol=1e-6, rtol=1e-4)
+    # the prefix's own gradient arrives when the context closes, not before
+    assert any(not torch.equal(g, h) for g, h in zip(inside, shared_grads))
+    # and a forward outside the context, whose prefix gradient nobody would run, is refused
+    with fast_hf.prefix_once(model, ids, attention) as policy:
+        pass
+    with pytest.raises(RuntimeError, match="after its context closed"):
+        policy.base_model(input_ids=ids, attention_mask=attention)
 
 
-def test_prefix_store_runs_the_prefix_once_and_changes_no_number():
+def test_the_prefix_runs_once_per_context_and_changes_no_number():
     model, _ = tiny_policy()
     prefix = torch.randint(0, 250, (20,))
-    batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1) for _ in range(3)]
+    batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (3, 9))], 1)
+               for _ in range(3)]
     calls = []
-    hook = model.base_model.register_forward_hook(lambda m, args, kw, out: calls.append(kw["input_ids"].shape),
-                                                  with_kwargs=True)
+    hook = model.base_model.register_forward_hook(
+        lambda m, args, kw, out: calls.append(kw["input_ids"].shape), with_kwargs=True)
+
+    def hidden(policy, ids):
+        return policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+
     with torch.no_grad():
-        plain = [fast_hf.hidden_states(model, ids, torch.ones_like(ids)) for ids in batches]
-        n_plain, calls[:] = len(calls), []
+        alone = []
+        for ids in batches:                    # a context per batch: its prefix, then its rest
+            with fast_hf.prefix_once(model, ids, torch.ones_like(ids)) as policy:
+                alone.append(hidden(policy, ids))
+        n_alone, calls[:] = len(calls), []
         rows = torch.cat(batches)
-        store = fast_hf.PrefixStore(rows, torch.ones_like(rows))
-        stored = [fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store) for ids in batches]
+        with fast_hf.prefix_once(model, rows, torch.ones_like(rows)) as policy:
+            together = [hidden(policy, ids) for ids in batches]
     hook.remove()
-    assert n_plain == 6 and len(calls) == 4           # prefix + rest per batch, then the prefix only once
-    for a, b in zip(plain, stored):
-        assert torch.equal(a, b)                      # bit for bit
+    assert n_alone == 6 and len(calls) == 4     # the prefix once, then each batch's rest
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)                # bit for bit
 
 
-def test_prefix_store_with_grad_runs_the_prefix_once_and_gives_the_same_gradients():
-    """One mini-batch of three micro-batches, each one question's rows (their common prefix runs 6
-    tokens past the few-shot prompt): a PrefixStore of the step's rows runs the prompt all rows
-    share forward once and backward once (with the summed gradient), not one longer prefix per
-    micro-batch kept until backward(); the forward values are bit for bit those of a no-grad pass
-    with a store of the same rows, and the parameter gradients are the sums of a prefix run per
-    micro-batch."""
+def test_the_prefix_with_grad_runs_once_and_gives_the_same_gradients():
+    """One mini-batch of three micro-batches, each one question's rows (their common prefix runs
+    6 tokens past the few-shot prompt): prefix_once over the step's rows runs the prompt all rows
+    share forward once and backward once (with the summed gradient); the forward values are bit
+    for bit those of a no-grad pass over the same rows, and the gradients those of the plain
+    forward."""
     model, _ = tiny_policy()
     prefix = torch.randint(0, 250, (20,))
     batches = [torch.cat([prefix.expand(3, -1), torch.randint(0, 250, (1, 6)).expand(3, -1),
                           torch.randint(0, 250, (3, 9))], 1) for _ in range(3)]
-    step_rows = torch.cat(batches)
+    rows = torch.cat(batches)
 
-    def mini_batch(store):
+    def mini_batch(shared):
         model.zero_grad()
         hiddens = []
-        for ids in batches:
-            hidden = fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store)
-            (hidden[:, 15:] ** 2).mean().backward()
-            hiddens.append(hidden.detach())
-        if store is not None:
-            assert len(store.graphs) == 1                 # one prefix forward for the three micro-batches
-            assert store.graphs[0][0][0].shape[1] == 20   # the prompt all rows share, not a question's rows
-            store.backward()
+        with fast_hf.prefix_once(model, rows, torch.ones_like(rows), enabled=shared) as policy:
+            for ids in batches:
+                hidden = policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                (hidden.last_hidden_state[:, 15:] ** 2).mean().backward()
+                hiddens.append(hidden.last_hidden_state.detach())
+            if shared:
+                assert len(policy.store.graphs) == 1               # one prefix forward
+                assert policy.store.graphs[0][0][0].shape[1] == 20  # the prompt all rows share
         return hiddens, [p.grad.clone() for p in model.base_model.parameters()]
 
-    plain, plain_grads = mini_batch(None)
-    stored, stored_grads = mini_batch(fast_hf.PrefixStore(step_rows, torch.ones_like(step_rows)))
-    with torch.no_grad():                             # the old-log-prob pass of the same step's rows
-        store = fast_hf.PrefixStore(step_rows, torch.ones_like(step_rows))
-        old = [fast_hf.hidden_states(model, ids, torch.ones_like(ids), prefix_store=store) for ids in batches]
+    plain, plain_grads = mini_batch(False)
+    stored, stored_grads = mini_batch(True)
+    with torch.no_grad():                       # the old-log-prob pass of the same step's rows
+        with fast_hf.prefix_once(model, rows, torch.ones_like(rows)) as policy:
+            old = [policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                   .last_hidden_state for ids in batches]
     for a, b, c in zip(plain, stored, old):
-        assert torch.equal(b, c)                      # bit for bit: both split every micro-batch at column 20
-        torch.testing.assert_close(a, b)              # the plain path splits at 26: other rounding
+        assert torch.equal(b, c)                # bit for bit: both split every micro-batch at 20
+        torch.testing.assert_close(a, b)        # the plain forward does not split: other rounding
     for g, h in zip(stored_grads, plain_grads):
         torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)
-    assert any(g.abs().sum() > 0 for g in stored_grads[:3])   # the embedding gets the prefix's gradient
+    assert any(g.abs().sum() > 0 for g in stored_grads[:3])   # the prefix's gradient arrived
 
 
 def test_minibatches_keep_the_shuffle_and_group_rows_of_similar_length():
@@ -377,9 +408,9 @@ def test_equal_weights_give_equal_logprobs_on_every_path(tmp_path, alternating_r
     seen = []
     real_policy_loss = train.policy_loss
 
-    def recording(logp, old_logp, advantages, loss_mask, **kw):
+    def recording(logp, old_logp, advantages, loss_mask, *args):
         seen.append(float(((logp - old_logp) * loss_mask).abs().max().detach()))
-        return real_policy_loss(logp, old_logp, advantages, loss_mask, **kw)
+        return real_policy_loss(logp, old_logp, advantages, loss_mask, *args)
 
     monkeypatch.setattr(train, "policy_loss", recording)
     model, tokenizer = tiny_policy(hidden_size=64, intermediate_size=128)   # at 32 bf16 paths agree
@@ -387,8 +418,8 @@ def test_equal_weights_give_equal_logprobs_on_every_path(tmp_path, alternating_r
                       kl_coef=0.1, bf16=bf16, grad_checkpointing=grad_checkpointing)
     train.train(cfg, model, tokenizer)
     line = step_lines(tmp_path / "run")[0]
-    # mini-batch 1 takes its old log-probs from its own update pass; mini-batch 2 compares the
-    # no-grad old pass with the update pass, and the displacement pass compares with both
+    # each mini-batch compares the no-grad old pass with its update pass, and the displacement
+    # pass compares with the old pass
     assert seen == [0.0, 0.0]
     assert line["clip_ratio"] == 0 and line["ppo_kl"] == 0 and line["kl"] == 0
     assert line["llds/active_token_frac"] == 0 and line["llds/loss"] == 0
@@ -505,14 +536,21 @@ def test_spiral_monitor_warns_when_groups_tie_and_when_search_gets_worse():
     assert [bool(w) for w in found] == [False, False, False, False, True] and "(0.80 -> 0.50)" in found[-1][0]
 
 
-def test_update_stats_weights_each_metric_by_its_records_weight():
-    logged = [{"weight": 0.25, "pg_loss": 1.0, "kl": None}, {"weight": 0.5, "llds/loss": 4.0},
-              {"weight": 0.75, "pg_loss": 3.0, "kl": None}, {"weight": 0.0, "llds/loss": 9.0},
-              {"weight": 0.0, "unseen": 1.0}]
-    stats = runs.update_stats(logged, [1.0, math.inf, 3.0])
-    assert stats["pg_loss"] == (0.25 * 1.0 + 0.75 * 3.0) / 1.0 and stats["llds/loss"] == 4.0
-    assert stats["kl"] is None and "unseen" not in stats                 # None: not computed; weight 0: no mean
-    assert (stats["grad_norm"], stats["grad_norm_max"], stats["grad_norm_nonfinite"]) == (2.0, math.inf, 1)
+def test_the_step_logs_each_mini_batch_value_as_its_micro_batches_sum_it():
+    # two mini-batches; the first of two micro-batches holding 1/4 and 3/4 of its tokens
+    pg, lld, kl = torch.tensor(0.5), torch.tensor(0.25), torch.tensor(0.0)
+    stats = {"clip_ratio": 0.2, "ppo_kl": 0.4}
+    lstats = {"llds/active_token_frac": 0.8, "llds/active_action_frac": 1.0, "llds/n_preserving": 9.0}
+    sums = collections.Counter()
+    sums.update(runs.micro_metrics(0.25, pg, stats, kl, lld, lstats))
+    sums.update(runs.micro_metrics(0.75, pg, {"clip_ratio": 0.6, "ppo_kl": 0.0}, kl, lld, lstats))
+    sums.update(runs.micro_metrics(1.0, pg, stats, kl, lld, lstats))
+    out = runs.update_stats(sums, [1.0, math.inf], 2, kl=False)
+    assert out["pg_loss"] == (0.5 + 0.5 + 0.5) / 2 and out["llds/loss"] == 0.75 / 2
+    assert out["clip_ratio"] == pytest.approx(((0.25 * 0.2 + 0.75 * 0.6) + 0.2) / 2)   # 0.35
+    assert out["llds/active_token_frac"] == pytest.approx(0.8) and "llds/n_preserving" not in out
+    assert out["kl"] is None and runs.update_stats(sums, [1.0], 2, kl=True)["kl"] == 0.0
+    assert (out["grad_norm"], out["grad_norm_max"], out["grad_norm_nonfinite"]) == (1.0, math.inf, 1)
 
 
 @pytest.mark.slow
@@ -533,16 +571,17 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     batch["answer_mask"] = torch.zeros(batch["loss_mask"].shape)
     cfg, cpu = train.Config(bf16=True, micro_batch_size=2), torch.device("cpu")
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
-    old, _ = train.batch_logprobs(model, batch, plan, cfg, cpu)
+    batch["old_logp"], _ = train.logprob_pass(model, batch, plan, cfg, cpu)
     correct = torch.tensor([True, False, True, False])
-    assert train.displacement(model, batch, plan, correct, old, cfg, cpu)[0] == {
+    assert train.displacement(model, batch, plan, correct, cfg, cpu)[0] == {
         "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0,
         "lld/displacement_correct_search": 0.0, "lld/displacement_correct_answer": 0.0}
     # the same rows regrouped (what the monitor did before) are not bit-identical under bf16 (a CPU
     # without bf16 units runs float32, where this regrouping changed nothing on an AVX2 EPYC)
-    regrouped, _ = train.batch_logprobs(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
+    regrouped, _ = train.logprob_pass(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
     if fast_hf.bf16_supported(cpu):
-        assert train.masked_sum(regrouped - old, batch["loss_mask"], dim=1)[[0, 2]].abs().max() > 0
+        moved = train.masked_sum(regrouped - batch["old_logp"], batch["loss_mask"], dim=1)
+        assert moved[[0, 2]].abs().max() > 0
 
 
 def test_plot_overlays_runs_and_names_the_settings_that_differ(tmp_path, alternating_rewards, capsys):
@@ -636,10 +675,10 @@ def test_displacement_splits_into_search_turns_and_the_answer_turn(monkeypatch):
     answer = torch.tensor([[0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6], dtype=torch.float32)
     old = torch.zeros(3, 6)
     after = torch.tensor([[9., -1., -2., 9., 0.5, -3.], [9., 1., 1., -4., 9., 9.], [5.] * 6])
-    batch = {"loss_mask": mask, "answer_mask": answer}
-    monkeypatch.setattr(train, "batch_logprobs", lambda *a: (after, None))
-    out, change = train.displacement(None, batch, [[torch.tensor([0, 1, 2])]], torch.tensor([True, True, False]),
-                                     old, None, None)
+    batch = {"loss_mask": mask, "answer_mask": answer, "old_logp": old}
+    monkeypatch.setattr(train, "logprob_pass", lambda *a: (after, None))
+    out, change = train.displacement(None, batch, [[torch.tensor([0, 1, 2])]],
+                                     torch.tensor([True, True, False]), None, None)
     assert torch.equal(change, torch.where(mask.bool(), after, 0.0))
     # row 0: search -3, answer -2.5 (total -5.5); row 1: search -2, answer 0 (total -2)
     assert out["lld/displacement_correct"] == pytest.approx(-3.75)

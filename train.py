@@ -209,11 +209,11 @@ def logprob_pass(model, batch, minibatches, cfg, device):
     -> two (N, T) float32 on the CPU, aligned with batch["input_ids"], 0 in rows not run."""
     logp, entropy = torch.zeros(batch["loss_mask"].shape), torch.zeros(batch["loss_mask"].shape)
     with fast_hf.prefix_once(model, batch["input_ids"], batch["attention_mask"],
-                             not cfg.grad_checkpointing) as model:
+                             not cfg.grad_checkpointing) as policy:
         for micro in (micro for mini in minibatches for micro in mini):
             mb = micro_batch(batch, micro, device)
             with fast_hf.autocast(device, cfg.bf16):
-                lp, ent = token_logprobs(model, mb["input_ids"], mb["attention_mask"],
+                lp, ent = token_logprobs(policy, mb["input_ids"], mb["attention_mask"],
                                          mb["loss_mask"], cfg.temperature)
             logp[micro, :lp.shape[1]], entropy[micro, :ent.shape[1]] = lp.cpu(), ent.cpu()
     return logp, entropy

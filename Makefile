@@ -22,12 +22,13 @@ setup: .venv/done
 
 train: .venv/done
 	$(PY) train.py $(ARGS)
-	@echo "plain GRPO against GRPO + LLDS over 300 steps of the LLD lab's small model: make lab-demo (one pair, about 22 min once its warm-start is built)"
+	@echo "next: plain GRPO on the same seed, make train ARGS=\"--no-llds --name grpo\"; ask the agent, .venv/bin/python ask.py \"Where was Doravin Kelso born?\" --model runs/<run>"
 
 test: .venv/done .venv/test-done .venv/verl-done
 	$(PY) -m pytest -q tests $(ARGS)
 
-# Plain GRPO vs GRPO + LLDS from the same seed, data and settings; then both final checkpoints are
+# ---- The experiments (experiments/README.md) ----
+# The LLD study: plain GRPO vs GRPO + LLDS from the same seed, data and settings; then both final checkpoints are
 # scored on 200 held-out questions and the study's tables and figure are drawn over every seed in runs/.
 # Both arms pass --resume: a killed comparison continues where it stopped, a finished one is redrawn.
 # The setting gives plain GRPO room to displace: 8 updates per rollout batch at lr 5e-5.
@@ -36,35 +37,35 @@ COMPARE ?= --group-size 4 --drop-tied-groups 0 --rollout-batch-size 64 --mini-ba
 compare: .venv/done
 	$(PY) train.py --name compare-grpo-s$(SEED) --seed $(SEED) --no-llds --resume $(COMPARE) $(ARGS)
 	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)
-	$(PY) bench/lld_study.py runs --score 200 --figure runs/compare.png
+	$(PY) experiments/lld_study/lld_study.py runs --score 200 --figure runs/compare.png
 
-# The LLD study's tables and figure, from the committed runs in docs/compare/.
+# The LLD study's tables and figure, from the committed runs in experiments/lld_study/compare/.
 study: .venv/done
-	$(PY) bench/lld_study.py docs/compare --figure docs/compare/compare.png
+	$(PY) experiments/lld_study/lld_study.py experiments/lld_study/compare --figure experiments/lld_study/compare.png
 
 .PHONY: setup train test compare study
 
-# The LLD lab (docs/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
-# GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in docs/lab/;
+# The LLD lab (experiments/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
+# GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in experiments/lab/;
 # the study runs at the cell the pilot chose, and not at all when the pilot's stop rule ended the lab.
-STUDY_TABLES = if [ -d docs/lab/study ]; then $(PY) bench/lab_study.py study docs/lab/study --figure docs/lab/study.png; \
-	else echo "no docs/lab/study: no study has run"; fi
+STUDY_TABLES = if [ -d experiments/lab/study ]; then $(PY) experiments/lab/lab_study.py study experiments/lab/study --figure experiments/lab/study.png; \
+	else echo "no experiments/lab/study: no study has run"; fi
 lab: .venv/done
-	$(PY) bench/lab_runs.py sft
-	$(PY) bench/lab_runs.py pilot
-	$(PY) bench/lab_study.py pilot docs/lab/pilot --figure docs/lab/pilot.png
-	$(PY) bench/lab_runs.py study
+	$(PY) experiments/lab/lab_runs.py sft
+	$(PY) experiments/lab/lab_runs.py pilot
+	$(PY) experiments/lab/lab_study.py pilot experiments/lab/pilot --figure experiments/lab/pilot.png
+	$(PY) experiments/lab/lab_runs.py study
 	@$(STUDY_TABLES)
 
-# Every table and the figure of the lab, from the committed run folders in docs/lab/ alone.
+# Every table and the figure of the lab, from the committed run folders in experiments/lab/ alone.
 lab-study: .venv/done
-	$(PY) bench/lab_study.py pilot docs/lab/pilot --figure docs/lab/pilot.png
+	$(PY) experiments/lab/lab_study.py pilot experiments/lab/pilot --figure experiments/lab/pilot.png
 	@$(STUDY_TABLES)
 
 # The quick look: one pair (seed 0) side by side, at the pilot's cell (its harshest one when no cell
 # qualified), and its figure (22 min on 2 cores once the warm-start is built, about 1 h first).
 lab-demo: .venv/done
-	$(PY) bench/lab_runs.py demo
-	$(PY) bench/lab_study.py study docs/lab/demo --figure runs/lab/demo.png
+	$(PY) experiments/lab/lab_runs.py demo
+	$(PY) experiments/lab/lab_study.py study experiments/lab/demo --figure runs/lab/demo.png
 
 .PHONY: lab lab-study lab-demo

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT. Copyright (c) 2026 the search-r1-llds authors (see LICENSE).
 """LLDS: likelihood-preserving regularisation for GRPO on agent-search trajectories.
 
 Re-implements the regulariser of Deng et al., "On GRPO Collapse in Search-R1: The Lazy
@@ -43,7 +44,6 @@ Choices made here (not fixed by the paper):
 - advantages may be (B,) or (B, T). For (B, T) the response's advantage is the mean over its
   loss-mask tokens; GRPO advantages are constant along a response, so this is exactly A_i
   (values outside the loss mask are ignored, so veRL's zero-padded layout works as is).
-- A response with no loss-mask token is not counted as preserving.
 - The gate uses the raw float32 displacement; a net displacement of exactly 0 keeps the gate
   shut (the paper's strict "> 0"), and a token with d == 0 gets no gradient.
 - NaN/inf where loss_mask == 0 are replaced (torch.where) first: they reach neither loss nor grad.

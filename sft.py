@@ -4,9 +4,9 @@
 
 Why: GRPO learns only from groups whose rewards differ, so a policy that never answers right gets
 no signal (cold-start starvation). Every large RL stack (veRL, SkyRL, TRL, prime-rl, nanochat)
-ships a supervised warm-start first. Here a scripted policy (`SCRIPTS`, e.g. tasks/lab.py's noisy
-searcher) writes each model turn and the environment appends real BM25 observations, through the
-same `rollout.rollout` as RL, so the prompt, token layout and loss mask are exactly those of RL.
+ships a supervised warm-start first. Here a scripted policy (`SCRIPTS`, e.g. the noisy searcher
+of tasks/searcher.py) writes each model turn and the environment appends real BM25 observations,
+through the same `rollout.rollout` as RL: the prompt, token layout and loss mask are those of RL.
 
 The loss is next-token cross-entropy on model tokens only (`loss_mask`): prompts and retrieved
 passages are context, never targets, as in RL. AdamW, linear warm-up then cosine decay, a held-out
@@ -31,7 +31,7 @@ from plumbing import fast_hf, runs
 from plumbing.cli import OneLineParser, add_config_flags, check_ranges, flag
 from plumbing.models import load_policy
 from plumbing.scripted import ScriptedPolicy
-from tasks.lab import noisy_searcher
+from tasks.searcher import noisy_searcher
 
 SCRIPTS = {"noisy": noisy_searcher}    # context text, rng -> the next model turn
 CHOICES = {"script": tuple(SCRIPTS), "template": rollout.TEMPLATES}   # the "choice" fields' values

@@ -49,7 +49,7 @@ from plumbing.search_health import search_health
 @dataclass
 class Config:
     # the run
-    name: str = flag("demo", "run folder <out-dir>/<name>", "text")
+    name: str = flag("", "run folder <out-dir>/<name>; '' = demo, demo-2, ... (a new one)", "any")
     out_dir: str = flag("runs", "parent folder of all runs", "text")
     seed: int = flag(0, "seeds python, numpy, torch and the prompt order", "0..4294967295")
     resume: bool = flag(False, "continue <out-dir>/<name> from its last checkpoint")
@@ -435,6 +435,7 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
 def train(cfg: Config, model=None, tokenizer=None) -> dict:
     """Train (or resume) the run <out_dir>/<name>; model/tokenizer may be injected (tests).
     -> {"before": eval metrics at step 0, "after": at the end, "last": the last step's metrics}"""
+    cfg = dataclasses.replace(cfg, name=runs.run_name(cfg.out_dir, cfg.name, cfg.resume))
     run = setup(cfg, model, tokenizer)
     state = runs.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
@@ -464,8 +465,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
             metrics.update(held_out())
             evals["after" if last else f"step {step}"] = {
                 k: v for k, v in metrics.items() if k.startswith("eval/")}
-        metrics["memory/peak_gb"] = memory.peak_memory_gb(run.device)    # evaluation included
-        metrics["memory/peak_reserved_gb"] = memory.peak_memory_gb(run.device, reserved=True)
+        metrics.update(memory.peaks(run.device))       # so far, evaluation included
         log(metrics)
         bar.set_postfix(runs.postfix(metrics))
         if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
@@ -486,7 +486,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
 
 def main(argv=None) -> None:
     cfg, plot, plot_out, plan = parse_train_args(Config, PRESETS, CHOICES, argv)
-    # a user's error ends in one line "error: ..."; a lost retriever also says how to resume
+    cfg = dataclasses.replace(cfg, name=runs.run_name(cfg.out_dir, cfg.name, cfg.resume))
     with runs.user_errors_exit(Path(cfg.out_dir) / cfg.name):
         if plot:
             print(plot_runs(plot, plot_out))               # draw saved runs' curves and exit

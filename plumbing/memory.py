@@ -22,6 +22,12 @@ def peak_memory_gb(device: torch.device, reserved: bool = False) -> float | None
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def peaks(device: torch.device) -> dict:
+    """memory/peak_gb and memory/peak_reserved_gb so far (peak_memory_gb; = RSS on a CPU)."""
+    return {"memory/peak_gb": peak_memory_gb(device),
+            "memory/peak_reserved_gb": peak_memory_gb(device, reserved=True)}
+
+
 def reset_peak(device: torch.device) -> None:
     """Start measuring a new peak (phase_peak): CUDA's peak counters, or on Linux the process's
     RSS high-water mark (written to /proc/self/clear_refs, it restarts at the current RSS)."""

@@ -1,6 +1,6 @@
 """train.py's presets (--preset NAME), all of them: the paper's settings; one-GPU presets of the same
 algorithm with a smaller batch, each sized by the memory plan (plumbing/memory_plan.py) for one 80 GB
-or 141 GB card; and the LLD lab's RL settings (docs/lab/prereg.md).
+or 141 GB card; and the LLD lab's RL settings (experiments/lab/prereg.md).
 
 `--preset paper` is the LLDS paper's setting (section 4: Qwen2.5-3B-Instruct, NQ + HotpotQA, the E5
 retriever as a server, 512 prompts x 5 a step), run on one device: about 4 weeks on one H100 (the
@@ -40,7 +40,7 @@ GPU_PRESETS = {"paper": PAPER, **{
     for (size, card), (rollout, micro) in SIZED.items()}}
 
 # The LLD lab: the paper's RL settings on a ~1M-parameter model warm-started by sft.py. Its runner
-# (bench/lab_runs.py) passes --model (the SFT folder), --data and --corpus (the lab's folder), --lr
+# (experiments/lab/lab_runs.py) passes --model (the SFT folder), --data and --corpus (the lab's folder), --lr
 # and --mini-batch-size.
 LAB = dict(
     template="search-r1", max_turns=2, topk=3, max_turn_tokens=24, max_obs_tokens=200,

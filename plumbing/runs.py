@@ -356,6 +356,19 @@ def final_report(run_dir: Path, summary: dict) -> str:
     return "\n".join(text)
 
 
+def run_name(out_dir, name: str, resume: bool) -> str:
+    """The run's folder name: `name` when given; else "demo", or when that is taken the first free
+    "demo-N" (with resume: the newest of them), so that a plain `make train` always starts a run."""
+    if name:
+        return name
+    number = {p.name: int(p.name[5:] or 1) for p in Path(out_dir).glob("demo*")
+              if p.is_dir() and re.fullmatch(r"demo(-\d+)?", p.name)}
+    newest = max(number, key=number.get, default=None)
+    if resume or newest is None:
+        return newest or "demo"
+    return f"demo-{number[newest] + 1}"
+
+
 def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
     """Create <out_dir>/<name>; refuse to overwrite a run unless resuming; drop temp folders
     left by a run killed while checkpointing."""
@@ -481,7 +494,8 @@ def record_machine(run_dir: Path, step: int, device, bf16: bool) -> None:
 def describe(cfg, device, n_eval: int, bf16: bool) -> str:
     """The one-line summary of a run's setting printed at its start."""
     llds = f"lambda {cfg.llds_lambda:g}, {cfg.llds_gate} gate" if cfg.llds and cfg.llds_lambda else "off"
-    return (f"device {device}, bf16 autocast {bf16}; "
+    where = f"cpu ({cpu_model()})" if device.type == "cpu" else str(device)
+    return (f"device {where}, bf16 autocast {bf16}; "
             f"{cfg.prompts_per_step} prompts x {cfg.group_size} rollouts, "
             f"{cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size} optimizer steps per step; "
             f"LLDS {llds}; eval: {n_eval} held-out questions, greedy, {cfg.eval_max_turns} "

@@ -164,6 +164,7 @@ def test_every_flag_value_runs_or_ends_in_one_clear_line(script, flag, value, sh
         assert flag.lstrip("-") in line or (value is not None and argv[-1] in line), line
     elif script == "train.py" and flag != "--plan":          # --plan prints and exits: no run
         cfg = cli.parse_train_args(train.Config, train.PRESETS, train.CHOICES, argv)[0]
+        cfg = dataclasses.replace(cfg, name=cfg.name or "demo")      # the first unnamed run
         saved = json.loads((Path(cfg.out_dir) / cfg.name / "config.json").read_text())
         assert saved == json.loads(json.dumps(dataclasses.asdict(cfg)))
 

@@ -1,4 +1,4 @@
-"""The defects of the one-GPU review (../shared/reviews/gpu-review.md) that a CPU can show: each
+"""The defects a review of the one-GPU path found that a CPU can show: each
 fix pinned against its definition or its setting."""
 import os
 import random

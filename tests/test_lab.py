@@ -1,4 +1,4 @@
-"""Tests for the LLD lab's setting (tasks/lab.py) at toy size: deterministic tokenizer and model,
+"""Tests for the LLD lab's setting (experiments/lab/lab.py) at toy size: deterministic tokenizer and model,
 disjoint SFT and RL questions, and the lab preset running train.py end to end with the sampled
 held-out evaluation and the metrics the lab's analysis reads."""
 import json
@@ -9,7 +9,7 @@ import torch
 import data
 import rollout as ro
 import train
-from tasks import lab
+from experiments.lab import lab
 from tasks.toy_world import parse_question
 from test_sft import tiny_lab_model
 

@@ -1,11 +1,11 @@
-"""The LLD lab's pre-registered analysis (bench/lab_study.py) on hand-built run folders."""
+"""The LLD lab's pre-registered analysis (experiments/lab/lab_study.py) on hand-built run folders."""
 import json
 
 import numpy as np
 import pytest
 
-from bench import lab_study
-from bench.lab_runs import lab_cell
+from experiments.lab import lab_study
+from experiments.lab.lab_runs import lab_cell
 
 
 def write_run(folder, rewards, evals, seed=1000, llds=False, steps=None, updates=4, lr=1e-5,

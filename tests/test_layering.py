@@ -1,5 +1,5 @@
 """The house's floors: plumbing/ is what the teaching scripts stand on, so no plumbing module
-imports a teaching script (nor tasks/, bench/ or integrations/), at the top or inside a function."""
+imports a teaching script (nor tasks/, bench/, experiments/ or integrations/), at the top or inside a function."""
 import ast
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {p.stem for p in ROOT.glob("*.py")}            # train, eval, rollout, retriever, data, llds
-ABOVE = SCRIPTS | {"tasks", "bench", "integrations"}     # what stands on plumbing/
+ABOVE = SCRIPTS | {"tasks", "bench", "integrations", "experiments"}   # what stands on plumbing/
 PLUMBING = sorted((ROOT / "plumbing").glob("*.py"))
 
 

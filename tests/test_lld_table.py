@@ -1,7 +1,7 @@
-"""The README's LLD table (bench/lld_table.py) on hand-built metrics."""
+"""The README's LLD table (experiments/lld_study/lld_table.py) on hand-built metrics."""
 import json
 
-from bench import lld_table
+from experiments.lld_study import lld_table
 
 
 def test_longest_fall_finds_the_longest_run_of_decreases():
@@ -30,7 +30,7 @@ def test_row_reads_a_run_folder(tmp_path):
         "-2.00 (step 3) | 0.500 -> 0.500 | 1 -> 3 | - | 10 |")
 
 
-# ---- bench/lld_study.py: the many-seed study ----
+# ---- experiments/lld_study/lld_study.py: the many-seed study ----
 
 def write_run(folder, arm, seed, rewards, displacements, ems, bf16=True, steps=None):
     from pathlib import Path
@@ -47,7 +47,7 @@ def write_run(folder, arm, seed, rewards, displacements, ems, bf16=True, steps=N
 
 
 def test_run_summary_measures_by_hand(tmp_path):
-    from bench import lld_study
+    from experiments.lld_study import lld_study
     run = write_run(tmp_path, "llds", 3, [0.0, 0.5, 0.5, 1.0, 0.0, 0.5], [1.0, -2.0, 0.5, -0.25, -3.0, 2.0], 0.4)
     (run / "heldout200.json").write_text(json.dumps({"questions": 200, "eval/em": 0.35}))
     s = lld_study.run_summary(run)
@@ -63,7 +63,7 @@ def test_run_summary_measures_by_hand(tmp_path):
 
 
 def test_bootstrap_interval_and_pairing():
-    from bench import lld_study
+    from experiments.lld_study import lld_study
     mean, lo, hi = lld_study.bootstrap_mean([0.1, 0.1, 0.1])
     assert all(abs(v - 0.1) < 1e-12 for v in (mean, lo, hi))        # no spread, no interval
     mean, lo, hi = lld_study.bootstrap_mean([-1.0, 1.0] * 10)
@@ -74,7 +74,7 @@ def test_bootstrap_interval_and_pairing():
 
 
 def test_study_keeps_precisions_apart(tmp_path, capsys):
-    from bench import lld_study
+    from experiments.lld_study import lld_study
     for seed, bf16 in ((0, True), (1, True), (2, False)):
         write_run(tmp_path, "grpo", seed, [0.2] * 5, [-1.0] * 5, 0.3, bf16=bf16)
         write_run(tmp_path, "llds", seed, [0.4] * 5, [1.0] * 5, 0.5, bf16=bf16)
@@ -92,7 +92,7 @@ def test_study_keeps_precisions_apart(tmp_path, capsys):
 
 
 def test_study_headline_names_the_seeds_where_neither_arm_displaced(tmp_path, capsys):
-    from bench import lld_study
+    from experiments.lld_study import lld_study
     write_run(tmp_path, "grpo", 0, [0.2] * 5, [-1.0] * 5, 0.3)
     write_run(tmp_path, "llds", 0, [0.4] * 5, [1.0] * 5, 0.5)
     write_run(tmp_path, "grpo", 1, [0.2] * 5, [1.0] * 5, 0.3)     # seed 1: both arms' correct responses rose

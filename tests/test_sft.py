@@ -13,7 +13,7 @@ import sft
 from conftest import tiny_policy
 from plumbing.models import load_policy
 from plumbing.scripted import ScriptedPolicy
-from tasks import lab
+from experiments.lab import lab
 from tasks.toy_world import parse_question
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py

@@ -685,3 +685,13 @@ def test_displacement_splits_into_search_turns_and_the_answer_turn(monkeypatch):
     assert out["lld/displacement_correct_search"] == pytest.approx(-2.5)
     assert out["lld/displacement_correct_answer"] == pytest.approx(-1.25)
     assert out["lld/frac_correct_fell"] == 1.0
+
+
+def test_unnamed_runs_each_get_a_new_folder_and_resume_takes_the_newest(tmp_path):
+    cfg = tiny_config(tmp_path, name="", steps=1, eval_size=0)
+    for _ in range(2):
+        train.train(cfg, *tiny_policy())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo", "demo-2"]
+    train.train(dataclasses.replace(cfg, resume=True, steps=2), *tiny_policy())
+    assert [l["step"] for l in step_lines(tmp_path / "demo-2")] == [1, 2]
+    assert [l["step"] for l in step_lines(tmp_path / "demo")] == [1]

@@ -1,14 +1,14 @@
 """The LLD study: plain GRPO vs GRPO + LLDS over many seeds, every number from committed run folders.
 
-    .venv/bin/python bench/lld_study.py docs/compare                      # the README's tables
-    .venv/bin/python bench/lld_study.py docs/compare --figure docs/compare/compare.png
-    .venv/bin/python bench/lld_study.py docs/compare --score 200 --checkpoints runs
+    .venv/bin/python experiments/lld_study/lld_study.py experiments/lld_study/compare                      # the README's tables
+    .venv/bin/python experiments/lld_study/lld_study.py experiments/lld_study/compare --figure experiments/lld_study/compare.png
+    .venv/bin/python experiments/lld_study/lld_study.py experiments/lld_study/compare --score 200 --checkpoints runs
 
 Run folders are named compare-grpo-s<seed> and compare-llds-s<seed> (what `make compare` writes),
 each with metrics.jsonl, config.json and machine.json (CPU, and whether bf16 autocast ran).
 Runs of different precision are never pooled: each precision gets its own tables.
 
-Outcome measures (fixed before the seeds 3+ ran; the collapse rule is bench/lld_table.py's):
+Outcome measures (fixed before the seeds 3+ ran; the collapse rule is experiments/lld_study/lld_table.py's):
 - collapses out of the runs of an arm;
 - final held-out EM (30 fixed questions, greedy) per seed, and the paired difference LLDS - GRPO
   per seed with its mean and a 95% bootstrap interval over seeds (10,000 resamples, percentile);
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.lld_table import collapse_step  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.lld_study.lld_table import collapse_step  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
 ARMS = {"grpo": "plain GRPO", "llds": "GRPO + LLDS"}
@@ -165,7 +165,7 @@ def study_tables(runs: list[dict]) -> str:
 
 
 def headline(runs: list[dict]) -> str:
-    """The study's result in three lines, numbers first (the README's and docs/lld-study.md's)."""
+    """The study's result in three lines, numbers first (the README's and experiments/lld_study/README.md's)."""
     done = [r for r in runs if r["finished"]]
     arm = {a: [r for r in done if r["arm"] == a] for a in ARMS}
 

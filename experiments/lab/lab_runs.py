@@ -1,15 +1,15 @@
-"""Runs the LLD lab (docs/lab/prereg.md) end to end, resumably: build, SFT, pilot, study, demo.
+"""Runs the LLD lab (experiments/lab/prereg.md) end to end, resumably: build, SFT, pilot, study, demo.
 
-    .venv/bin/python bench/lab_runs.py sft                        # the warm-start (once; its hash is registered)
-    .venv/bin/python bench/lab_runs.py check                      # its sampled EM and shared first searches
-    .venv/bin/python bench/lab_runs.py pilot [--jobs 2]           # plain GRPO, seeds 1000-1007, mildest cell first
-    .venv/bin/python bench/lab_runs.py study [--cell lr3e-05-u10] # 32 pairs, seeds 0-31, at the pilot's cell
-    .venv/bin/python bench/lab_runs.py demo [--cell lr3e-05-u10]  # seed 0, both arms: the quick look
+    .venv/bin/python experiments/lab/lab_runs.py sft                        # the warm-start (once; its hash is registered)
+    .venv/bin/python experiments/lab/lab_runs.py check                      # its sampled EM and shared first searches
+    .venv/bin/python experiments/lab/lab_runs.py pilot [--jobs 2]           # plain GRPO, seeds 1000-1007, mildest cell first
+    .venv/bin/python experiments/lab/lab_runs.py study [--cell lr3e-05-u10] # 32 pairs, seeds 0-31, at the pilot's cell
+    .venv/bin/python experiments/lab/lab_runs.py demo [--cell lr3e-05-u10]  # seed 0, both arms: the quick look
 
 Each run is `train.py --preset lab --data <lab>/rl --corpus <lab>/corpus.jsonl --model <sft> --lr L --mini-batch-size M --seed N [--no-llds]
 --resume`, one thread each, `--jobs` side by side. Checkpoints stay in runs/lab/; a finished run's
 small files (metrics.jsonl, config.json, machine.json, and the SFT model's hash) are copied into
-docs/lab/ and the run is skipped from then on. Killed runs continue from their last checkpoint.
+experiments/lab/ and the run is skipped from then on. Killed runs continue from their last checkpoint.
 """
 import argparse
 import hashlib
@@ -21,19 +21,19 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tasks.lab import build_lab, lab_dir  # noqa: E402
+from experiments.lab.lab import build_lab, lab_dir  # noqa: E402
 
 PY = sys.executable
 SFT_DIR = ROOT / "runs" / "lab" / "sft"
-# The warm-start recipe (docs/lab/prereg.md): the lab's SFT questions and four other worlds' (tasks/lab.py).
+# The warm-start recipe (experiments/lab/prereg.md): the lab's SFT questions and four other worlds' (experiments/lab/lab.py).
 SFT_ARGS = ["--epochs", "2", "--lr", "2e-3", "--episodes-per-question", "2"]
 PILOT_LRS, PILOT_UPDATES, PILOT_SEEDS = (1e-5, 3e-5, 1e-4), (4, 10), range(1000, 1008)
 STUDY_SEEDS = range(32)
 BATCH = 8 * 5                                          # prompts x group size of the lab preset
 SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
-# The registered models (docs/lab/prereg.md §1-2): built in float32 on ONE thread, the only way to get these bytes.
+# The registered models (experiments/lab/prereg.md §1-2): built in float32 on ONE thread, the only way to get these bytes.
 REGISTERED = {"base": "e40b6e570dfe4ec12706bd330399e695b14dfb0e5d643f06445e6bcfbe054979",
               "sft": "da805fefc147bb83594564f88d6fc2f440e68b45d983143ff4669f5009706ed9"}
 
@@ -50,14 +50,14 @@ def parse_cell(cell: str) -> tuple[float, int]:
 def lab_cell(pilot: Path, stage: str) -> str | None:
     """The cell the pilot chose; None for the study when the stop rule ended the lab, whose demo then runs the
     pilot's harshest cell (the most displacement, the likeliest spiral). Exits while the pilot can still choose."""
-    from bench.lab_study import choose_cell, harshest, pilot_cells, stopped, undecided
+    from experiments.lab.lab_study import choose_cell, harshest, pilot_cells, stopped, undecided
 
     cells = pilot_cells(pilot)
     if (chosen := choose_cell(cells)) and not undecided(cells, chosen):
         return chosen["cell"]
     if cells and stopped(cells):
         return harshest(cells)["cell"] if stage == "demo" else None
-    raise SystemExit(f"error: the pilot has chosen no cell yet (`bench/lab_study.py pilot {pilot}` says where it "
+    raise SystemExit(f"error: the pilot has chosen no cell yet (`experiments/lab/lab_study.py pilot {pilot}` says where it "
                      "stands; `make lab` continues it); or pass --cell")
 
 
@@ -186,9 +186,9 @@ def main() -> None:
     if args.seeds:
         first, _, last = args.seeds.partition("-")
         wanted = set(range(int(first), int(last or first) + 1))
-    runs_root, docs_root = ROOT / "runs" / "lab", ROOT / "docs" / "lab"
+    runs_root, docs_root = ROOT / "runs" / "lab", ROOT / "experiments" / "lab"
     if args.stage == "pilot":     # mildest cell first; the first cell that qualifies ends the pilot
-        from bench.lab_study import choose_cell, pilot_cells
+        from experiments.lab.lab_study import choose_cell, pilot_cells
 
         for lr in PILOT_LRS:
             for u in PILOT_UPDATES:

@@ -1,6 +1,6 @@
 """The README's table of the LLD comparison: one row per run, from each run's metrics.jsonl.
 
-    .venv/bin/python bench/lld_table.py docs/compare/compare-grpo-s0 docs/compare/compare-llds-s0 ...
+    .venv/bin/python experiments/lld_study/lld_table.py experiments/lld_study/compare/compare-grpo-s0 experiments/lld_study/compare/compare-llds-s0 ...
 
 Columns, all read from the training metrics (no re-running):
 - reward: mean training reward of the first 5 and of the last 5 steps (32 episodes a step are noisy);
@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from plumbing.plots import read_metrics  # noqa: E402
 
 

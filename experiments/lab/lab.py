@@ -5,13 +5,13 @@ Why a lab: the paper's death spiral needs a policy that has already learned (gro
 signal), T = 1 sampling, correct and incorrect responses that share a prefix, several updates per
 rollout batch and hundreds of small steps. A 135M model cannot take hundreds of steps on a 2-core
 CPU; a ~1M-parameter model of the same architecture family can, on the same code path (rollout
-with BM25 search over the toy world, loss masks, train.py, llds.py). docs/lab/prereg.md fixes
+with BM25 search over the toy world, loss masks, train.py, llds.py). experiments/lab/prereg.md fixes
 everything here before any RL run.
 
 * Questions: the toy world's single-hop training questions (toy_nq), split by the entity they ask
   about into an SFT half and an RL half (no entity in both); held-out: the toy world's test split
   (other countries, so unseen names).
-* The scripted searcher (`noisy_searcher`) writes `<search> name </search>`, reads the returned
+* The scripted searcher (`noisy_searcher`, tasks/searcher.py) writes `<search> name </search>`, reads the returned
   passages with the toy world's own templates, and answers `<answer> value </answer>`. Its
   mistakes are drawn from MIXTURE: a wrong first query (the surname only, or the question's other
   words), and a wrong answer (the asked relation of a retrieved distractor, or
@@ -29,75 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
-import re
 from pathlib import Path
 
-from tasks.toy_world import parse_question, read_facts, write_jsonl
+from tasks.searcher import MIXTURE, noisy_searcher  # noqa: F401  (the lab's SFT script)
+from tasks.toy_world import parse_question, write_jsonl
 
 LAB_VERSION = 2  # bump when anything below changes, so cached lab folders are rebuilt
 
-# How the scripted searcher errs: fixed before any RL run (docs/lab/prereg.md).
-MIXTURE = {
-    "search_right": 0.85,      # first query = the asked entity's full name
-    "wrong_query": {"surname": 1 / 2, "question_words": 1 / 2},   # (a name with one vowel changed taught
-    #                                                                     the model to garble the names it copies)
-    "answer_right": 0.70,      # answer = the asked relation, read from the passage titled with the asked name
-    "wrong_answer": {"distractor_same_relation": 0.6, "right_doc_other_fact": 0.4},
-}
 VOCAB_SIZE = 2048
 MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=1024)
 MODEL_SEED = 0
 PRETRAIN_WORLDS = (1, 2, 3, 4)  # toy worlds of other seeds: the lab's templates, none of its names or facts
 PRETRAIN_STEPS = 2500          # language-model steps on the corpus before SFT (pretrain)
-
-_QUESTION_LINE = re.compile(r"Question: (.+?\?)\n")
-_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
-_PASSAGE = re.compile(r'Doc \d+\(Title: (".*?")\) (.*)')
-
-
-# ---- The noisy scripted searcher ------------------------------------------------------------
-
-def _wrong_query(name: str, question: str, rng: random.Random) -> str:
-    kind = rng.choices(list(MIXTURE["wrong_query"]), weights=list(MIXTURE["wrong_query"].values()))[0]
-    words = name.split()
-    if kind == "surname" and len(words) > 1:
-        return words[-1]
-    return " ".join(question.replace(name, " ").rstrip("?").split())   # a one-word name: its question's words
-
-
-def _answer(name: str, relation: str, passages: list[str], rng: random.Random) -> str:
-    facts = read_facts(passages)
-    right = facts.get(name, {}).get(relation)
-    if right is not None and rng.random() < MIXTURE["answer_right"]:
-        return right
-    wrong = {"distractor_same_relation": [f[relation] for t, f in facts.items() if t != name and relation in f],
-             "right_doc_other_fact": [v for k, v in facts.get(name, {}).items() if k != relation]}
-    kinds = [k for k in MIXTURE["wrong_answer"] if wrong[k]]
-    if not kinds:       # nothing of the kind retrieved: any fact of a retrieved passage, else a title
-        values = [v for f in facts.values() for v in f.values()] or [p.partition("\n")[0].strip('"') for p in passages]
-        return rng.choice(values) if values else "unknown"
-    kind = rng.choices(kinds, weights=[MIXTURE["wrong_answer"][k] for k in kinds])[0]
-    return rng.choice(wrong[kind])
-
-
-def noisy_searcher(context: str, rng: random.Random) -> str | None:
-    """The next turn of the scripted searcher, from the episode's text so far (plumbing/scripted.py
-    calls it): a search of the asked name (or a MIXTURE mistake) first, then an answer read from
-    the last observation. None before the question is complete (a shared prompt prefix)."""
-    questions = _QUESTION_LINE.findall(context)       # the few-shot prompt's examples come first
-    parsed = parse_question(questions[-1]) if questions else None
-    if parsed is None:
-        return None
-    name, _, chain, _ = parsed
-    after = context[context.rfind("Question: " + questions[-1]):]
-    observations = _INFORMATION.findall(after)
-    if not observations:
-        query = name if rng.random() < MIXTURE["search_right"] else _wrong_query(name, questions[-1], rng)
-        return f"<search> {query} </search>"
-    passages = [f"{m[1]}\n{m[2]}" for m in map(_PASSAGE.match, observations[-1].strip().split("\n")) if m]
-    return f"<answer> {_answer(name, chain[0], passages, rng)} </answer>"
 
 
 # ---- Questions, tokenizer and model ---------------------------------------------------------

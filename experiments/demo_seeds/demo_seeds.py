@@ -1,9 +1,9 @@
-"""bench/demo_seeds.py: `make train` as a newcomer meets it, over seeds and both numeric paths.
+"""experiments/demo_seeds/demo_seeds.py: `make train` as a newcomer meets it, over seeds and both numeric paths.
 
 Each run is a fresh clone of this repository's HEAD with an empty model cache and no pip cache, timed
 from `make train` to its last line (install, model conversion, toy world and index included):
 
-    .venv/bin/python bench/demo_seeds.py --seeds 0-4 --paths bf16 avx2 --out runs/demo-seeds
+    .venv/bin/python experiments/demo_seeds/demo_seeds.py --seeds 0-4 --paths bf16 avx2 --out runs/demo-seeds
 
 Paths: `bf16` is the default run (bf16 autocast where the CPU has AVX512-BF16); `avx2` is the float32
 path of AVX2-only CPUs (most laptops), emulated on this CPU: `ARGS="--no-bf16"` with PyTorch's kernels,
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 PATHS = {"bf16": ({}, ""), "avx2": (AVX2, "--no-bf16")}
 EM_LINE = re.compile(r"held-out EM: before ([\d.]+) -> after ([\d.]+) \((\d+) questions: (\d+) turned right, "

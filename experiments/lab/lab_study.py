@@ -1,11 +1,11 @@
-"""The LLD lab's pre-registered analysis (docs/lab/prereg.md): does LLDS stop plain GRPO's collapse?
+"""The LLD lab's pre-registered analysis (experiments/lab/prereg.md): does LLDS stop plain GRPO's collapse?
 
-    .venv/bin/python bench/lab_study.py pilot docs/lab/pilot [--figure F] [--cell lr1e-05-u4]
-    .venv/bin/python bench/lab_study.py study docs/lab/study [--figure F]
+    .venv/bin/python experiments/lab/lab_study.py pilot experiments/lab/pilot [--figure F] [--cell lr1e-05-u4]
+    .venv/bin/python experiments/lab/lab_study.py study experiments/lab/study [--figure F]
 
 A tiny model trains 300 steps with plain GRPO ("grpo") or GRPO + LLDS ("llds"). The pilot finds the
 mildest setting (lr, updates per rollout batch) at which plain GRPO learns and then collapses, over seeds
-1000-1007 in docs/lab/pilot/<cell>/grpo-s<seed>/; the study runs both arms there, docs/lab/study/<arm>-s<seed>/.
+1000-1007 in experiments/lab/pilot/<cell>/grpo-s<seed>/; the study runs both arms there, experiments/lab/study/<arm>-s<seed>/.
 The rules, fixed before the runs and the same for both arms:
 
 - R10(s): mean training reward over steps s-9..s (s >= 10); P(s): the largest R10(u), 10 <= u <= s.
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.lab_runs import PILOT_LRS, PILOT_UPDATES, REGISTERED  # noqa: E402
-from bench.lld_study import bootstrap_mean  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.lab.lab_runs import PILOT_LRS, PILOT_UPDATES, REGISTERED  # noqa: E402
+from experiments.lld_study.lld_study import bootstrap_mean  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
 ARMS = {"grpo": "plain GRPO", "llds": "GRPO + LLDS"}

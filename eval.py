@@ -38,7 +38,7 @@ from plumbing.scores import cover_em, format_sampled, sampled_scores
 from plumbing.search_health import answer_in_passages
 from plumbing.models import load_policy
 from plumbing.reports import format_header, format_table, write_outputs
-from plumbing.runs import resolve_model
+from plumbing.runs import resolve_model, user_errors_exit
 from retriever import open_retriever
 
 MODES = ("search", "rag", "direct")
@@ -259,7 +259,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args, cfg = parse_args(argv)
     torch.manual_seed(args.seed)
-    try:
+    out_dir = Path(args.out or f"runs/eval/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    with user_errors_exit(out_dir):      # a user's error, Ctrl-C or a full disk: one line
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but torch sees no GPU; use --device cpu")
         records = data.load_question_sets(args.data, args.split, args.limit)
@@ -289,10 +290,7 @@ def main(argv=None) -> None:
                 print(f"\n{args.samples} samples per question at T={cfg.temperature}:\n"
                       f"{format_sampled(result['sampled'])}")
             runs[mode] = (setting, result)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    out_dir = Path(args.out or f"runs/eval/{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    write_outputs(out_dir, runs)
+        write_outputs(out_dir, runs)
     print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'predictions.jsonl'}")
 
 

@@ -186,8 +186,10 @@ def warm_start(cfg: Config) -> dict:
     bar.close()
 
     # 3. Save the warm-started model, then score it as RL will start from it.
-    model.save_pretrained(out_dir / "model")
-    tokenizer.save_pretrained(out_dir / "model")
+    need = runs.tensor_bytes(model.parameters()) + 2**24
+    with runs.written_whole(out_dir / "model", need, "the SFT model", manifest=False) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     summary = {"script_em": script_em, "heldout_loss": metrics["heldout_loss"]}
     if cfg.eval_size:
         summary.update(heldout_eval(model, tokenizer, test_q[:cfg.eval_size], search_engine,

@@ -4,6 +4,7 @@ macro averages), the setting printed above it, and the files of an evaluation fo
 results.txt (the printed tables).
 """
 import json
+import os
 from pathlib import Path
 
 from plumbing.runs import json_safe
@@ -38,11 +39,14 @@ def write_outputs(out_dir: Path, runs: dict[str, tuple[dict, dict]]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     scores = {mode: {"setting": setting, **{k: v for k, v in result.items() if k != "examples"}}
               for mode, (setting, result) in runs.items()}
-    (out_dir / "results.json").write_text(json.dumps(json_safe(scores), indent=2) + "\n")
-    with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
-        for mode, (_, result) in runs.items():
-            for ex in result["examples"]:
-                f.write(json.dumps({"mode": mode, **ex}, ensure_ascii=False) + "\n")
-    (out_dir / "results.txt").write_text("\n\n".join(
-        f"{format_header(setting)}\n\n{format_table(result)}"
-        + (f"\n\n{format_sampled(result['sampled'])}" if "sampled" in result else "") for setting, result in runs.values()) + "\n")
+    lines = [json.dumps({"mode": mode, **ex}, ensure_ascii=False) + "\n"
+             for mode, (_, result) in runs.items() for ex in result["examples"]]
+    tables = "\n\n".join(f"{format_header(setting)}\n\n{format_table(result)}"
+                         + (f"\n\n{format_sampled(result['sampled'])}" if "sampled" in result else "")
+                         for setting, result in runs.values()) + "\n"
+    # each file whole or not at all, results.json last: an interrupted write leaves no half file
+    for name, text in (("predictions.jsonl", "".join(lines)), ("results.txt", tables),
+                       ("results.json", json.dumps(json_safe(scores), indent=2) + "\n")):
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out_dir / name)

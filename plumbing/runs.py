@@ -4,14 +4,18 @@ sampler, a micro-batch's rows, the step's means of its micro-batch metrics and i
 spiral monitor and its shared-first-search count, the one-line exit of a user error. Nothing here
 changes what is computed."""
 import contextlib
+import errno
 import json
 import math
 import os
 import random
 import re
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,16 +46,68 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP asked the program to stop (SIGINT raises KeyboardInterrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 @contextlib.contextmanager
 def user_errors_exit(run_dir: Path):
-    """A user's error (bad path, flag or data) ends the program in one line, "error: ..."; a lost
-    retriever (ConnectionError mid-run) also says which checkpoint --resume continues from."""
+    """A user's error (bad path, flag or data) ends the program in one line, "error: ..."; so do a
+    lost retriever (ConnectionError mid-run) and a full disk, which also say which checkpoint
+    --resume continues from. Ctrl-C, SIGTERM and SIGHUP stop it at once with one line naming the
+    signal, the last completed step and that checkpoint; a second signal kills at once."""
+    def stop(signum, frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if main_thread else {}
     try:
         yield
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     except ConnectionError as e:
         raise SystemExit(f"error: {e}{resume_hint(run_dir)}") from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise SystemExit(f"error: no space left on the disk of {e.filename or run_dir}: "
+                         f"{e.strerror}{resume_hint(run_dir)}") from None
+    except (KeyboardInterrupt, Stopped) as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        sys.stderr.write(f"\n{stopped_line(run_dir, signal.Signals(signum).name)}\n")
+        raise SystemExit(128 + signum) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+def stopped_line(run_dir: Path, name: str) -> str:
+    """'stopped by SIGTERM after step 7; --resume continues from <ckpt> (step 5)', or what to do
+    when no checkpoint exists yet."""
+    steps = [l for l in _metric_lines(run_dir) if "reward" in l]
+    done = f"stopped by {name}" + (f" after step {steps[-1]['step']}" if steps else "")
+    ckpt = find_checkpoint(run_dir) if Path(run_dir).is_dir() else None
+    if ckpt is None:
+        return f"{done}; there is no checkpoint to resume from: start it again"
+    return f"{done}; --resume continues from {ckpt} (step {_step(ckpt)})"
+
+
+def _metric_lines(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l] if path.exists() else []
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name.split("-")[1])
 
 
 def micro_batch(batch: dict, idx: torch.Tensor, device) -> dict:
@@ -88,14 +144,20 @@ def json_safe(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints that were completed (state.json): the one `latest` names first, then
+    the others, newest first."""
+    run_dir = Path(run_dir)
+    done = sorted((p for p in run_dir.glob("ckpt-*") if (p / "state.json").exists()),
+                  key=_step, reverse=True)
+    pointer = run_dir / "latest"
+    named = run_dir / pointer.read_text().strip() if pointer.exists() else None
+    return sorted(done, key=lambda p: p != named)
+
+
 def find_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint `latest` names; if that is missing, the highest complete ckpt-<step>."""
-    run_dir = Path(run_dir)
-    pointer = run_dir / "latest"
-    if pointer.exists() and (run_dir / pointer.read_text().strip() / "state.json").exists():
-        return run_dir / pointer.read_text().strip()
-    done = [p for p in run_dir.glob("ckpt-*") if (p / "state.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    return next(iter(checkpoints(run_dir)), None)
 
 
 def resolve_model(path: str | None) -> str | None:
@@ -239,30 +301,72 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
     """<run>/ckpt-<step>/: HF model + tokenizer, optimizer, RNG states, state.json (step, data
-    position, counters, monitor history). Written into a temp folder and renamed, then the
+    position, counters, monitor history), written whole or not at all (written_whole), then the
     `latest` pointer is replaced: a kill at any moment leaves the previous checkpoint intact.
-    The `keep` - 1 older checkpoints lose their optimizer state (2/3 of a checkpoint's size)."""
+    Only after that, older checkpoints go: the `keep` - 1 newest of them keep their weights but lose
+    their optimizer state (2/3 of a checkpoint's size)."""
     final = run_dir / f"ckpt-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=run_dir))
-    try:
+    need = tensor_bytes(model.parameters()) + tensor_bytes(
+        t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    with written_whole(final, need + 2**24, f"the checkpoint of step {step}") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}))
+    _write_atomic(run_dir / "latest", final.name)
+    kept = sorted(run_dir.glob("ckpt-*"), key=_step)
+    for old in kept[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for older in kept[-keep:-1]:
+        (older / "optimizer.pt").unlink(missing_ok=True)
+    return final
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@contextlib.contextmanager
+def written_whole(final: Path, need: int, what: str, manifest: bool = True):
+    """A temp folder beside `final` to write `what` into: on success (and with `manifest`) a
+    manifest of every file's size is written last and the folder renamed to `final` (replacing
+    it); on any failure it is removed. Not begun when the disk has less than `need` bytes free; a disk that fills during
+    the write (torch.save says "unexpected pos") ends as OSError ENOSPC, one line for the user."""
+    free = shutil.disk_usage(final.parent).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{what} needs {need / 2**30:.2f} GiB and "
+                      f"{free / 2**30:.2f} GiB are free; nothing was written", str(final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=final.parent))
+    try:
+        yield tmp
+        if manifest:
+            sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in tmp.rglob("*") if f.is_file()}
+            (tmp / "manifest.json").write_text(json.dumps(sizes, indent=1))
         if final.exists():                            # the same step saved again after a resume
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RuntimeError) and shutil.disk_usage(final.parent).free < need:
+            raise OSError(errno.ENOSPC, f"the disk filled while {what} was written; nothing of "
+                          "it was kept", str(final.parent)) from None
         raise
-    _write_atomic(run_dir / "latest", final.name)
-    kept = sorted(run_dir.glob("ckpt-*"), key=lambda p: int(p.name.split("-")[1]))
-    for old in kept[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for older in kept[-keep:-1]:          # only the newest resumes: the older keep their weights, not 8 bytes a parameter
-        (older / "optimizer.pt").unlink(missing_ok=True)
-    return final
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint's files against the sizes its manifest recorded, or None
+    (optimizer.pt may be gone: older checkpoints drop it by design)."""
+    manifest = path / "manifest.json"
+    if not manifest.exists():
+        return None                                   # written before manifests: loading tells
+    for name, size in json.loads(manifest.read_text()).items():
+        f = path / name
+        if not f.exists() and name != "optimizer.pt":
+            return f"{name} is missing"
+        if f.exists() and f.stat().st_size != size:
+            return f"{name} holds {f.stat().st_size:,} bytes where {size:,} were written"
+    return None
 
 
 def export_bf16(folder: Path, model, tokenizer) -> Path:
@@ -277,26 +381,28 @@ def export_bf16(folder: Path, model, tokenizer) -> Path:
             copies[key] = tensor.to(device="cpu", dtype=torch.bfloat16)
         state[name] = copies[key]
     folder = Path(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-bf16-", dir=folder.parent))
-    try:
+    need = tensor_bytes(copies.values()) + 2**24
+    with written_whole(folder, need, "the bf16 export", manifest=False) as tmp:
         model.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         config = json.loads((tmp / "config.json").read_text())
         _write_atomic(tmp / "config.json", json.dumps({**config, "dtype": "bfloat16"}, indent=2) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Restore weights, optimizer and RNG states in place; returns state.json."""
-    saved = type(model).from_pretrained(path, dtype=torch.float32)
-    model.load_state_dict(saved.state_dict())
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    """Restore weights, optimizer and RNG states in place; returns state.json. Another model's
+    weights are refused before any is copied; a checkpoint without optimizer.pt (an older one)
+    leaves AdamW's moments fresh, and says so."""
+    saved = type(model).from_pretrained(path, dtype=torch.float32).state_dict()
+    ours = model.state_dict()
+    if saved.keys() != ours.keys() or any(saved[k].shape != ours[k].shape for k in ours):
+        raise ValueError("its weights are another model's")
+    model.load_state_dict(saved)
+    if (path / "optimizer.pt").exists():
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    else:
+        print(f"{path} has no optimizer state (an older checkpoint): AdamW's moments start afresh")
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "state.json").read_text())
 
@@ -383,24 +489,35 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
 def resume_hint(run_dir: Path) -> str:
     """' ; continue from <ckpt> (step N) with --resume' when the run has a checkpoint, else ''."""
     ckpt = find_checkpoint(run_dir) if Path(run_dir).is_dir() else None
-    return f"; the run continues from {ckpt} (step {ckpt.name.split('-')[1]}) with --resume" if ckpt else ""
+    return f"; the run continues from {ckpt} (step {_step(ckpt)}) with --resume" if ckpt else ""
 
 
 def start_or_resume(run_dir: Path, model, optimizer, resume: bool) -> dict:
-    """A fresh run's state, or (resume) the run's latest checkpoint loaded into model and
-    optimizer (RNG states too) with the metrics log cut back to its step. -> {"step",
-    "skipped_steps", "evals", "sampler", "monitor"}."""
+    """A fresh run's state, or (resume) the newest checkpoint that loads, loaded into model and
+    optimizer (RNG states too) with the metrics log cut back to its step; a checkpoint whose files
+    fail their manifest or fail to load is named in one line and the one before it tried. ->
+    {"step", "skipped_steps", "evals", "sampler", "monitor"}."""
     fresh = {"step": 0, "skipped_steps": 0, "evals": {}, "sampler": {}, "monitor": None}
-    ckpt = find_checkpoint(run_dir) if resume else None
-    if ckpt is None:
-        if resume:
-            print(f"--resume: no checkpoint in {run_dir}, starting from step 0")
-            truncate_metrics(run_dir, -1)
-        return fresh
-    state = load_checkpoint(ckpt, model, optimizer)
-    truncate_metrics(run_dir, state["step"])
-    print(f"resumed from {ckpt} (step {state['step']})")
-    return {**fresh, **state}
+    found = checkpoints(run_dir) if resume else []
+    if resume and not found:
+        print(f"--resume: no checkpoint in {run_dir}, starting from step 0")
+        truncate_metrics(run_dir, -1)
+    for ckpt in found:
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            try:
+                state = load_checkpoint(ckpt, model, optimizer)
+            except Exception as e:                      # truncated, unreadable, another model's
+                problem = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if problem is None:
+            truncate_metrics(run_dir, state["step"])
+            print(f"resumed from {ckpt} (step {state['step']})")
+            return {**fresh, **state}
+        print(f"--resume: {ckpt} cannot be used ({problem}); trying the checkpoint before it")
+    if found:
+        raise ValueError(f"no checkpoint of {run_dir} loads (above: why); start a new run with "
+                         f"--name, or delete {run_dir} to start this one again")
+    return fresh
 
 
 def postfix(m: dict) -> dict:

@@ -57,7 +57,7 @@ def one_run(path: str, seed: int, out: Path) -> dict:
            "load_before": load_before, "load_after": os.getloadavg()[0], "cpu": cpu_kind(),
            "s_per_step": float(step.group(1)) if step else None,
            "peak_rss_gib": round(int(rss.group(1)) / 2**20, 2) if rss else None,
-           "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(start)), "commit": git_head()}
+           "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(start)), "commit": git_head(work / "repo")}
     if em:
         before, after, n, right, wrong, p = em.groups()
         row.update(before=float(before), after=float(after), questions=int(n), right=int(right),
@@ -67,8 +67,9 @@ def one_run(path: str, seed: int, out: Path) -> dict:
     return row
 
 
-def git_head() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+def git_head(repo: Path = ROOT) -> str:
+    """The commit a run's clone was made at."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
                           text=True).stdout.strip()
 
 

@@ -102,8 +102,14 @@ def stopped_line(run_dir: Path, name: str) -> str:
 
 
 def _metric_lines(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if l] if path.exists() else []
+    """metrics.jsonl's lines; a line cut short by a kill while it was written is left out."""
+    path, lines = Path(run_dir) / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    return lines
 
 
 def _step(ckpt: Path) -> int:
@@ -255,8 +261,8 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop log lines of steps after `step` (written by a run killed after its checkpoint)."""
     path = run_dir / "metrics.jsonl"
     if path.exists():
-        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-        _write_atomic(path, "".join(l + "\n" for l in lines))
+        kept = [m for m in _metric_lines(run_dir) if m["step"] <= step]
+        _write_atomic(path, "".join(json.dumps(m) + "\n" for m in kept))
 
 
 def write_samples(path: Path, records: list[dict], episodes: list[dict], n: int) -> None:

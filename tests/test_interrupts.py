@@ -181,3 +181,12 @@ def test_evaluation_outputs_are_whole_or_absent(tmp_path, monkeypatch):
     monkeypatch.setattr(reports.os, "replace", real)
     reports.write_outputs(tmp_path, {"search": ({}, result)})
     assert json.loads((tmp_path / "results.json").read_text())["search"]["all"] == {}
+
+
+def test_a_log_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path, capsys):
+    cfg, run = three_checkpoints(tmp_path)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "rew')                      # killed while writing step 4's line
+    assert runs.stopped_line(run, "SIGKILL").startswith("stopped by SIGKILL after step 3;")
+    train.train(train.Config(**{**cfg.__dict__, "resume": True, "steps": 4}), *tiny_policy())
+    assert steps_done(run) == [1, 2, 3, 4]

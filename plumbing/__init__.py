@@ -17,7 +17,8 @@ anything: each module says what it speeds up or takes care of.
                   checkpoints and RNG state, the model folder eval.py finds in a run, metrics log,
                   samples, prompt sampler, a micro-batch's rows, phase timing and what the progress
                   bar says of it, the spiral monitor's warnings, the step's mini- and micro-batches
-                  and their logged means, AdamW as each device wants it, a user error's one line
+                  and their logged means, AdamW as each device wants it, a user error, a signal
+                  or a full disk in one line, checkpoints written whole and checked on --resume
     search_health.py  per-step health of search and groups: answer in passages, unique queries,
                   tied groups, correct/incorrect pairs sharing the first search
     token_view.py the token-level view of a step (views/*.html, *.jsonl) and its index page

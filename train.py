@@ -263,8 +263,8 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
     minibatches = shuffle_into_minibatches(out.attention_mask.sum(1), cfg.mini_batch_size,
                                            cfg.micro_batch_size)
     with phases("logprob", release=False):
-        batch["old_logp"], batch["entropy"] = logprob_pass(model, batch, minibatches, cfg,
-                                                           run.device)            # (N, T)
+        batch["old_logp"], old_entropy = logprob_pass(model, batch, minibatches, cfg,
+                                                      run.device)                 # (N, T)
         if run.ref is not None:
             batch["ref_logp"] = logprob_pass(run.ref, batch, minibatches, cfg, run.device)[0]
 
@@ -310,6 +310,7 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
 
     # 5. The LLD monitor, and what the step logs.
     metrics = {"step": step, "lr": lr, "llds/answer_weight": beta,
+               "entropy": masked_mean(old_entropy, out.loss_mask).item(),
                "rollout/redrawn_groups": redrawn,
                **runs.update_stats(sums, norms, len(minibatches), run.ref is not None)}
     metrics.update(monitor_step(step, cfg, run, out, records, batch, minibatches, phases))
@@ -324,7 +325,6 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)   # (N,)
     group_ids = torch.arange(len(rewards)) // cfg.group_size                           # (N,)
     metrics = {**rollout_stats(out, batch["old_logp"], rewards, group_ids),
-               "entropy": masked_mean(batch["entropy"], out.loss_mask).item(),
                "lld/displacement_correct": None, "lld/frac_correct_fell": None}
     view = cfg.token_view_every and (step % cfg.token_view_every == 0 or step == cfg.steps)
     if view or (cfg.displacement_every and step % cfg.displacement_every == 0):

@@ -1,7 +1,9 @@
-"""Shared test fixtures: tiny random models and tokenizers built in code (no downloads)."""
+"""Shared test fixtures: tiny random models and tokenizers built in code (no downloads), and
+rollouts whose groups have a spread of rewards."""
 import pytest
 import torch
 
+import rollout as ro
 from plumbing import models
 
 def tiny_policy(seed=0, **shape):
@@ -17,3 +19,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def alternating_rewards(monkeypatch):
+    """A random model never answers correctly; mark every other episode correct so that groups
+    have a spread of rewards (advantages +-0.71) and the correct-response metrics are defined."""
+    real = ro.rollout
+
+    def fake(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for i, e in enumerate(out.episodes):
+            e["reward"] = float(i % 2 == 0)
+        return out
+
+    monkeypatch.setattr(ro, "rollout", fake)

@@ -6,7 +6,7 @@ import rollout as ro
 import train
 from conftest import tiny_policy
 from plumbing.dynamic_sampling import replace_rows
-from test_train import alternating_rewards, step_lines, tiny_config  # noqa: F401
+from test_train import step_lines, tiny_config
 
 
 def fake_rollout(records, width, reward):

@@ -18,7 +18,7 @@ import torch
 import train
 from conftest import tiny_policy
 from plumbing import reports, runs
-from test_train import alternating_rewards, step_lines, tiny_config  # noqa: F401
+from test_train import step_lines, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = """

@@ -10,7 +10,7 @@ import pytest
 
 import train
 from plumbing import report
-from test_train import alternating_rewards, step_lines, tiny_config  # noqa: F401  (fixture)
+from test_train import tiny_config
 from conftest import tiny_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ import pytest
 
 import train
 from conftest import tiny_policy
-from test_train import alternating_rewards, step_lines, tiny_config  # noqa: F401  (a fixture)
+from test_train import step_lines, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -36,21 +36,6 @@ def tiny_config(tmp_path, **overrides):
     return train.Config(**{**base, **overrides})
 
 
-@pytest.fixture
-def alternating_rewards(monkeypatch):
-    """A random model never answers correctly; mark every other episode correct so that groups
-    have a spread of rewards (advantages +-0.71) and the correct-response metrics are defined."""
-    real = ro.rollout
-
-    def fake(*args, **kwargs):
-        out = real(*args, **kwargs)
-        for i, e in enumerate(out.episodes):
-            e["reward"] = float(i % 2 == 0)
-        return out
-
-    monkeypatch.setattr(ro, "rollout", fake)
-
-
 def step_lines(run_dir):
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [l for l in lines if "reward" in l]

@@ -24,8 +24,16 @@ train: .venv/done
 	$(PY) train.py $(ARGS)
 	@echo "next: plain GRPO on the same seed, make train ARGS=\"--no-llds --name grpo\"; ask the agent, .venv/bin/python ask.py \"Where was Doravin Kelso born?\" --model runs/<run>"
 
-test: .venv/done .venv/test-done .venv/verl-done
+test: .venv/done .venv/test-done .venv/verl-done .venv-bare/done
 	$(PY) -m pytest -q tests $(ARGS)
+	.venv-bare/bin/python bench/gpu_check.py --smoke --json runs/gpu_check-bare.json
+
+# Only torch, transformers and pytest, as on a lent GPU machine: bench/gpu_check.py must run there.
+.venv-bare/done: requirements.txt
+	python3 -m venv .venv-bare
+	.venv-bare/bin/python -m pip install -q --upgrade pip
+	.venv-bare/bin/python -m pip install -q pytest $$(grep -E '^(torch|transformers)==' requirements.txt)
+	touch .venv-bare/done
 
 # ---- The experiments (experiments/README.md) ----
 # The LLD study: plain GRPO vs GRPO + LLDS from the same seed, data and settings; then both final checkpoints are

@@ -41,9 +41,7 @@ import json
 import time
 from pathlib import Path
 
-import bm25s
 import numpy as np
-import requests
 from tqdm import tqdm
 
 import plumbing
@@ -107,7 +105,8 @@ def bm25_term_score(tf, doc_len, df, n_docs: int, avg_doc_len: float, k1: float,
     return (idf * (tf / (k1 * ((1 - b) + b * doc_len / avg_doc_len) + tf))).astype(np.float32)
 
 
-def _bm25_tokenizer(stemmer: str = "none") -> bm25s.tokenization.Tokenizer:
+def _bm25_tokenizer(stemmer: str = "none"):
+    import bm25s          # here, not at the top: only BM25 needs it (gpu_check runs without it)
     # Lucene's (Pyserini's) English analyzer stems with the original Porter.
     if stemmer == "porter":
         import Stemmer
@@ -149,6 +148,7 @@ class BM25Retriever:
     def save(self, index_dir) -> None:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
+        import bm25s
         # bm25s's own files, so that bm25s loads them too.
         bm25 = bm25s.BM25(k1=self.settings["k1"], b=self.settings["b"])
         bm25.scores, bm25.vocab_dict = self.scores, self.tokenizer.get_vocab_dict()
@@ -161,6 +161,7 @@ class BM25Retriever:
     def load(cls, index_dir, corpus: Corpus, k1=None, b=None, stemmer=None,
              threads=0) -> "BM25Retriever":
         meta = read_index_meta(index_dir, cls.backend, corpus, k1=k1, b=b, stemmer=stemmer)
+        import bm25s
         # mmap: the score matrix stays on disk, and the OS caches what queries touch.
         bm25 = bm25s.BM25.load(str(index_dir), mmap=True, load_vocab=False, show_progress=False)
         settings = {"k1": bm25.k1, "b": bm25.b, "stemmer": meta.get("stemmer", "none")}
@@ -381,6 +382,7 @@ class RetrieverClient:
         return results
 
     def _post(self, queries: list[str], topk: int) -> list[list[dict]]:
+        import requests       # here: only a server's client needs it
         body = {"queries": queries, "topk": topk, "return_scores": True}
         for attempt in range(self.retries + 1):
             if attempt:

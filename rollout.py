@@ -227,6 +227,7 @@ class Rollout:
     prompt_len: torch.Tensor      # (B,) long
     episodes: list[dict]          # text, answer, golds, n_search, finished, reward, em, ...
     timing: dict = field(default_factory=dict)  # {"generate": s, "retrieval": s}
+    decode: Counter = field(default_factory=Counter)  # turn k: ("tokens"|"steps"|"slots", k)
     n_generated: int = 0          # model-sampled tokens in total
     logp: torch.Tensor | None = None  # (B, T): sampling-time log-probs on model tokens, else 0
 
@@ -258,8 +259,7 @@ def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int],
                    stops: fast_hf.StopChecker, cfg: RolloutConfig):
     """Sample one turn for every row of `kv` from `logits` (B, V), caps: per-row token budget (>= 1)
     -> per-row sampled ids and their log-probs."""
-    n_rows, device = logits.shape[0], logits.device
-    limit = max(caps)
+    n_rows, device, limit = logits.shape[0], logits.device, max(caps)
     tokens = torch.full((n_rows, limit), kv.pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(n_rows, limit, device=device)
     length = torch.zeros(n_rows, dtype=torch.long, device=device)
@@ -271,13 +271,16 @@ def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int],
         tokens[:, step], logps[:, step] = new, new_logp
         length += running.long()
         stopped = stops.eos[new] | (length >= cap)
-        for row in torch.nonzero(running & stops.closes[new] & ~stopped).flatten().tolist():
-            stopped[row] = stops.tag_closed(tokens[row, :step + 1].tolist())
+        closing = running & stops.closes[new] & ~stopped      # may have closed a tag: decode it
         running &= ~stopped
-        if not running.any():
+        # one host sync a step (one more after a token with '>'): stop strings are text
+        closing, going = torch.stack([closing, running]).tolist()
+        for row in (r for r, c in enumerate(closing) if c):
+            if stops.tag_closed(tokens[row, :step + 1].tolist()):
+                running[row] = going[row] = False
+        if not any(going):
             break
-        # Stopped rows, those that stopped at this token too, are fed a masked pad (the batch stays
-        # rectangular): so a row's last sampled token is not in the cache when its turn ends.
+        # stopped rows (at this token too) get a masked pad: a turn's last token is never fed
         logits = kv.feed(new[:, None], running[:, None].long())
     lengths = length.tolist()
     return ([t[:n] for t, n in zip(tokens.tolist(), lengths)],
@@ -330,7 +333,7 @@ def _observations(tokenizer, retriever, actions, cfg: RolloutConfig, timing: dic
 
 
 def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig,
-               timing: dict, progress) -> list[_Episode]:
+               timing: dict, decode: Counter, progress) -> list[_Episode]:
     """All turns of one batch of episodes -> their final states; progress(text): the turn."""
     prompts = [prompt_ids(r, tokenizer, cfg.template) for r in records]
     # train.py and eval.py drop over-long prompts at load; here one is an error
@@ -351,6 +354,9 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
         # 1. Generate one turn for every active row, each stopping on its own.
         caps = [min(cfg.max_turn_tokens, cfg.max_context - len(episodes[e].ids)) for e in active]
         new_ids, new_logps = _generate_turn(kv, logits, caps, stops, cfg)
+        steps = max(map(len, new_ids))      # a turn decodes until its longest row stops
+        decode.update({("tokens", turn + 1): sum(map(len, new_ids)), ("steps", turn + 1): steps,
+                       ("slots", turn + 1): steps * len(new_ids)})    # occupancy: tokens / slots
         timing["generate"] += time.perf_counter() - t0
         # 2. Parse each row's action.
         actions = []
@@ -368,9 +374,8 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             if kind == "answer":
                 ep.finished, ep.answer_turn = True, len(ep.turns) - 1
                 continue
-            # A sampled EOS is the model ending its response: the episode ends unfinished, the
-            # EOS kept with loss 1 (as in single-turn GRPO). So does the final turn without an
-            # answer (a search there is not executed).
+            # A sampled EOS ends the episode unfinished, the EOS kept with loss 1 (as in single-
+            # turn GRPO); so does the final turn without an answer (no search runs there).
             if kind == "eos" or not can_search:
                 continue
             if kind == "search":
@@ -380,8 +385,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
                 continue
             ep.append(forced, FORCED)
             going_on.append(row)
-            # The turn's last sampled token is not in the cache yet (_generate_turn never feeds
-            # it): it goes in now, ahead of the forced tokens.
+            # the turn's last sampled token was never fed (_generate_turn): it goes in first
             pending.append([new_ids[row][-1]] + forced)
         if not going_on:
             break
@@ -410,15 +414,14 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
         raise ValueError(f"max_prompt_tokens ({cfg.max_prompt_tokens}) must be below "
                          f"max_context ({cfg.max_context})")
     progress = progress or (lambda text: None)
-    timing = {"generate": 0.0, "retrieval": 0.0}
-    episodes = []
+    timing, decode, episodes = {"generate": 0.0, "retrieval": 0.0}, Counter(), []
     device = next(model.parameters()).device
     n_batches = -(-len(records) // cfg.batch_size)
     for first in range(0, len(records), cfg.batch_size):
         where = f"batch {first // cfg.batch_size + 1}/{n_batches} " if n_batches > 1 else ""
         with fast_hf.autocast(device, cfg.bf16):
             episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size],
-                                   retriever, cfg, timing, lambda text: progress(where + text))
+                                   retriever, cfg, timing, decode, lambda t: progress(where + t))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results, answer_rows = [], []
@@ -444,7 +447,7 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
                        torch.float32),
         answer_mask=_pad(answer_rows, 0.0, torch.float32),
         prompt_len=torch.tensor([ep.prompt_len for ep in episodes], dtype=torch.long),
-        episodes=results, timing=timing,
+        episodes=results, timing=timing, decode=decode,
         n_generated=sum(k == MODEL for ep in episodes for k in ep.kinds),
         logp=_pad([ep.logps for ep in episodes], 0.0, torch.float32),
     )

@@ -187,6 +187,7 @@ def head_logprobs(lm_head, hidden, targets, temperature):
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
+@fast_hf.without_cudnn_attention   # so a call runs one attention kernel in every log-prob pass
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature):
     """log pi(token_t | tokens_<t) and the entropy of pi before token t, at the sampling
     temperature, on model tokens only: (B, T) ids and masks -> two (B, T) float32, 0 elsewhere."""
@@ -337,7 +338,7 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
             token_view.write_step_view(run.dir, step, run.tokenizer, out, batch, change, group_ids,
                                        records, action_ids(batch["loss_mask"]),
                                        functools.partial(llds_loss, gate=cfg.llds_gate))
-    metrics.update(phases.timing(out.timing, out.n_generated))     # timing/*, tokens per second
+    metrics.update(phases.timing(out))     # timing/*, tokens per second, decode occupancy
     runs.write_samples(run.dir / "samples" / f"step_{step:04d}.txt", records, out.episodes,
                        cfg.samples_per_step)
     return metrics
@@ -350,7 +351,6 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
     per_response = masked_mean(old_logp, mask, dim=1)                              # (N,)
     right, wrong = (rewards > 0) & (mask.sum(1) > 0), (rewards <= 0) & (mask.sum(1) > 0)
     n_actions = max(int(action_ids(mask).amax(dim=1).sum()), 1)
-
     return {
         "reward": rewards.mean().item(),
         "em": statistics.fmean(e["em"] for e in eps),
@@ -398,23 +398,28 @@ def displacement(model, batch, minibatches, correct, cfg, device, every_row=Fals
 
 # ---- The loop ------------------------------------------------------------------------------
 
-def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
-    """Everything a run needs; user errors (paths, flags, servers) raise ValueError/SystemExit."""
-    check_config(cfg, CHOICES)
-    device = runs.pick_device(cfg.device)
-    memory.configure_allocator(device)        # process-wide, once, before the first allocation
+def questions(cfg: Config, tokenizer):
+    """The training and held-out questions, every prompt checked once (one too long would stop
+    the run whenever drawn), and their prompts' token ids (a generator, for the memory plan)."""
     train_records = data.load_questions(cfg.data, split="train")
     eval_records = data.heldout_set(cfg.eval_data or cfg.data, cfg.eval_size)
-    if model is None:
-        model, tokenizer = load_policy(cfg.model or None)
-    # this model's attention (and its reference copy's), no other model's: plumbing/fast_hf.py
-    fast_hf.use_fast_attention(model)
-    # Every prompt is checked once, here: one too long would stop the run whenever drawn.
     train_records, _ = rollout.drop_long_prompts(train_records, tokenizer, rollout_config(cfg),
                                                  cfg.on_long_prompt, "training questions")
     eval_records, _ = rollout.drop_long_prompts(eval_records, tokenizer, rollout_config(cfg),
                                                 cfg.on_long_prompt, "held-out questions")
     prompts = (rollout.prompt_ids(r, tokenizer, cfg.template) for r in train_records + eval_records)
+    return train_records, eval_records, prompts
+
+
+def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
+    """Everything a run needs; user errors (paths, flags, servers) raise ValueError/SystemExit."""
+    check_config(cfg, CHOICES)
+    device = runs.pick_device(cfg.device)
+    memory.configure_allocator(device)        # process-wide, once, before the first allocation
+    if model is None:
+        model, tokenizer = load_policy(cfg.model or None)
+    fast_hf.use_fast_attention(model)   # this model's attention (and its reference copy's) only
+    train_records, eval_records, prompts = questions(cfg, tokenizer)
     memory_plan.check(cfg, device, model, prompts)   # stops here, naming the flag, if it cannot fit
     run_dir = runs.prepare_run_dir(Path(cfg.out_dir) / cfg.name, cfg.resume)
     runs.seed_everything(cfg.seed)
@@ -491,7 +496,7 @@ def main(argv=None) -> None:
         if plot:
             print(plot_runs(plot, plot_out))               # draw saved runs' curves and exit
         elif plan:
-            print(memory_plan.print_plan(cfg, runs.pick_device(cfg.device)))
+            print(memory_plan.print_plan(cfg, runs.pick_device(cfg.device), questions))
         else:
             train(cfg)
 

@@ -25,4 +25,4 @@ def replace_rows(out, rows: list[int], new):
         episodes[row] = episode
     timing = {k: out.timing.get(k, 0.0) + new.timing.get(k, 0.0) for k in out.timing}
     return dataclasses.replace(out, **merged, prompt_len=prompt_len, episodes=episodes, timing=timing,
-                               n_generated=out.n_generated + new.n_generated)
+                               decode=out.decode + new.decode, n_generated=out.n_generated + new.n_generated)

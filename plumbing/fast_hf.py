@@ -4,7 +4,9 @@ the same math with other rounding, said where it is so:
 * `autocast`: the one bf16 check: autocast on CUDA and on CPUs with native bf16 units;
 * `use_fast_attention`: one model's attention with SDPA's own grouped-query attention instead of
   HF repeating K/V heads, and decode-step attention in float32 under CPU bf16 autocast (other
-  rounding);
+  rounding), in the cache's dtype on a GPU (`decode_attention`, other rounding);
+* `without_cudnn_attention`: train.py's log-prob passes without cuDNN's attention, so that a call
+  runs the same kernel with and without grad;
 * `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
 * `share_rows`: a rollout's few-shot prefix kept once in the cache for all rows; a decode step
   attends to it with one product for all rows (float32; other rounding than B copies);
@@ -47,6 +49,27 @@ def autocast(device: torch.device, enabled: bool = True):
 FAST_ATTENTION = "sdpa_shared_prefix"     # the attention implementation use_fast_attention sets
 
 
+# The SDPA kernels train.py's log-prob passes may run: all but cuDNN's (without_cudnn_attention).
+LOGPROB_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def without_cudnn_attention(f):
+    """Decorator: f(model, ...) with SDPA held to LOGPROB_KERNELS, so that a call runs the same
+    kernel in every log-prob pass of train.py (old, reference, update, displacement), which at
+    equal weights must agree bit for bit. Left to choose, recent PyTorch prefers cuDNN's attention
+    on an H100/H200, and cuDNN builds other graphs with grad than without, which need not agree.
+    Among the others PyTorch chooses by the inputs alone: flash where there is no mask (bf16),
+    memory-efficient with one (it takes any mask; under grad it only adds its log-sum-exp output),
+    math where neither can run; never by grad mode (except flash at head dims over 192 on sm86/89:
+    not these models). A CPU runs flash here, the kernel it picks anyway (the same numbers, tested)."""
+    @functools.wraps(f)
+    def held(*args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([getattr(SDPBackend, name) for name in LOGPROB_KERNELS]):
+            return f(*args, **kwargs)
+    return held
+
+
 def use_fast_attention(model) -> None:
     """Switch `model`, and only it, to this module's attention (registered under its own name, so
     no other model's "sdpa" changes): HF's SDPA attention, with on CPU tensors
@@ -59,24 +82,38 @@ def use_fast_attention(model) -> None:
       at one query token than float32 (other rounding). Prefill and training are unchanged;
 
     and on any device, keys tagged by a `SharedPrefixLayer` attended with the shared prefix, in one
-    product for all rows at a decode step (`shared_prefix_attention`). Without this call rollout()
-    computes the same with a plain cache (share_rows copies the prefix per row)."""
+    product for all rows at a decode step (`decode_attention`). Without this call rollout()
+    computes the same with a plain cache (share_rows copies the prefix per row). On a GPU every
+    decode step runs `decode_attention` in the cache's dtype, K/V neither repeated nor copied, and
+    its mask is built without HF's test for an all-ones mask (`_mask`), a host sync per step."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     if not hasattr(model, "set_attn_implementation"):       # not an HF model: its own attention
         return
     AttentionInterface.register(FAST_ATTENTION, _attention)
-    AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(FAST_ATTENTION, _mask)
     model.set_attn_implementation(FAST_ATTENTION)
+
+
+def _mask(*args, q_length: int, device="cpu", **kwargs):
+    """HF's sdpa_mask; at a GPU's decode step (one query token) without the shortcut that returns
+    no mask when the 2-D mask is all ones: deciding it reads a GPU value on the host at every step.
+    An all-True mask gives the same attention."""
+    from transformers.masking_utils import sdpa_mask
+
+    if q_length == 1 and torch.device(device).type not in FLOAT32_ATTENTION:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, q_length=q_length, device=device, **kwargs)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     prefix = getattr(key, "shared_prefix", None)           # set by SharedPrefixLayer.update
-    if prefix is not None and query.shape[-2] == 1:
-        return shared_prefix_attention(query, key, value, *prefix, attention_mask, kwargs["scaling"])
+    if query.shape[-2] == 1 and (prefix is not None or query.device.type not in FLOAT32_ATTENTION):
+        prefix = prefix or (None, None)
+        return decode_attention(query, key, value, attention_mask, kwargs["scaling"], *prefix)
     if prefix is not None:       # many query tokens (an observation): SDPA on copies of the prefix
         key, value = (torch.cat([p.expand(len(t), -1, -1, -1), t], dim=-2)
                       for p, t in zip(prefix, (key, value)))
@@ -162,7 +199,7 @@ class SharedPrefixLayer(GrowingLayer):
     (1, kv_heads, P, d), then each row's own positions (B, kv_heads, S, d) growing in place.
 
     HF's attention receives only the rows' own keys/values, tagged with the prefix, which the
-    attention of `use_fast_attention` reads (`shared_prefix_attention`). At 32 rows and
+    attention of `use_fast_attention` reads (`decode_attention`). At 32 rows and
     a 460-token prefix a decode step reads the prefix's keys/values once instead of 32 times.
     """
 
@@ -181,26 +218,34 @@ class SharedPrefixLayer(GrowingLayer):
         return self.prefix[0].shape[-2] + self.keys.shape[-2]
 
 
-def shared_prefix_attention(query, key, value, prefix_key, prefix_value, mask, scaling):
-    """One decode step's attention over [the prefix all rows share ; each row's own positions].
+def decode_attention(query, key, value, mask, scaling, prefix_key=None, prefix_value=None):
+    """One decode step's attention over [the prefix all rows share, if any; each row's own keys].
 
-    query (B, Hq, 1, d); key, value (B, Hkv, S, d); prefix_key, prefix_value (1, Hkv, P, d); mask
-    None or (B, 1, 1, P + S), bool (True = attend) or additive. Query head h reads kv head
-    h // (Hq / Hkv), as HF's repeat_kv. In float32. -> ((B, 1, Hq, d), None), as HF's sdpa.
-    """
+    query (B, Hq, 1, d); key, value (B, Hkv, S, d); prefix_key, prefix_value (1, Hkv, P, d) or
+    None; mask None or (B, 1, 1, P + S), bool (True = attend) or additive. Query head h reads kv
+    head h // (Hq / Hkv), as HF's repeat_kv, by grouping the queries: K/V are never repeated.
+    The products run in the cache's dtype (bf16 on a GPU: K/V are read, never copied to float32)
+    and the softmax in float32; on FLOAT32_ATTENTION devices (a CPU) all of it in float32.
+    -> ((B, 1, Hq, d), None), as HF's sdpa."""
     n, heads, _, dim = query.shape
-    kv_heads, p = key.shape[1], prefix_key.shape[-2]
+    kv_heads, p = key.shape[1], 0 if prefix_key is None else prefix_key.shape[-2]
+    dtype = torch.float32 if query.device.type in FLOAT32_ATTENTION else value.dtype
     with torch.autocast(query.device.type, enabled=False):
-        q = query.float().view(n, kv_heads, -1, dim)                                       # (B, Hkv, g, d)
-        # all rows' queries against the one prefix in one product: (Hkv, B*g, d) @ (Hkv, d, P)
-        on_prefix = q.transpose(0, 1).reshape(kv_heads, -1, dim) @ prefix_key[0].float().transpose(1, 2)
-        on_prefix = on_prefix.view(kv_heads, n, -1, p).transpose(0, 1)                     # (B, Hkv, g, P)
-        scores = torch.cat([on_prefix, q @ key.float().transpose(2, 3)], dim=-1) * scaling  # (B, Hkv, g, P+S)
+        q = query.to(dtype).view(n, kv_heads, -1, dim)                       # (B, Hkv, g, d)
+        scores = q @ key.to(dtype).transpose(2, 3)                          # (B, Hkv, g, S)
+        if p:    # all rows' queries against the one prefix in one product: (Hkv, B*g, P)
+            on_prefix = q.transpose(0, 1).reshape(kv_heads, -1, dim) @ prefix_key[0].to(dtype).mT
+            scores = torch.cat([on_prefix.view(kv_heads, n, -1, p).transpose(0, 1), scores], -1)
+        scores = scores.float() * scaling                                   # (B, Hkv, g, P+S)
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        probs = torch.softmax(scores, dim=-1)
-        from_prefix = probs[..., :p].transpose(0, 1).reshape(kv_heads, -1, p) @ prefix_value[0].float()
-        out = from_prefix.view(kv_heads, n, -1, dim).transpose(0, 1) + probs[..., p:] @ value.float()
+            scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                      else scores + mask)
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        out = probs[..., p:] @ value.to(dtype)                              # (B, Hkv, g, d)
+        if p:
+            on_prefix = probs[..., :p].transpose(0, 1).reshape(kv_heads, -1, p)   # (Hkv, B*g, P)
+            from_prefix = on_prefix @ prefix_value[0].to(dtype)                   # (Hkv, B*g, d)
+            out = out + from_prefix.view(kv_heads, n, -1, dim).transpose(0, 1)
     return out.reshape(n, 1, heads, dim).to(query.dtype), None
 
 

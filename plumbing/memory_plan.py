@@ -26,9 +26,11 @@ autocast else 4, H hidden, I intermediate, L layers, kv = kv_heads x head_dim, V
               layer's set (its recomputation and its backward)
 S: the longest episode, longest prompt + (turns + 1) x max_turn_tokens + turns x max_obs_tokens, at
 most max_context. A run plans with its longest prompt and the prefix all its prompts share (both
-known after load); --plan reads no prompts, so it takes max_prompt_tokens and no shared prefix (a
-bound). Without checkpointing the update runs the shared prefix once per mini-batch (PrefixStore):
-its rows hold (S - prefix) tokens each, plus the prefix's keys and values copied per row.
+known after load); --plan reads them too (tokenising only) when the data is there, else it takes
+max_prompt_tokens and no shared prefix (a bound). On a GPU the device's memory is what is free
+plus what the run holds: another process on the card is named, not planned for. Without
+checkpointing the update runs the shared prefix once per mini-batch (PrefixStore): its rows hold
+(S - prefix) tokens each, plus the prefix's keys and values copied per row.
 Peak = always + max(rollout, update): the rollout's KV cache is freed before the update, the
 gradients before the rollout. Not counted: allocator fragmentation, the CUDA context (~0.5 GiB),
 the Python and torch runtime (~0.3-0.5 GiB of RSS on a CPU), the retriever's index, a CPU's oneDNN
@@ -190,11 +192,21 @@ def step_seconds(shape: Shape, cfg, card: str, mfu: float = 0.35, launch_ms_per_
 
 
 def device_bytes(cuda: bool) -> int:
-    """The GPU's memory, or the machine's RAM."""
+    """What the run may use: on a GPU its free memory plus what this process already holds (another
+    process on the card, a retriever's encoder say, is not the run's); the machine's RAM."""
     if cuda:
         import torch
-        return torch.cuda.get_device_properties(0).total_memory
+        return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def held_by_others(cuda: bool) -> str:
+    """", X GiB held by other processes" when another process holds memory on the GPU, else ""."""
+    if not cuda:
+        return ""
+    import torch
+    others = torch.cuda.mem_get_info()[1] - device_bytes(True)
+    return f", {others / GIB:.1f} GiB held by other processes" if others > GIB / 2 else ""
 
 
 def table(rows: dict[str, float], shape: Shape, available: int, where: str, prompts, cfg) -> str:
@@ -224,39 +236,61 @@ def too_big(rows: dict[str, float], available: int) -> str | None:
 def for_run(cfg, device, model=None, prompts=None) -> tuple[dict, Shape, int, str]:
     """The plan of a train.py config on `device` (torch.device): (rows, shape, device bytes, where)."""
     from plumbing import fast_hf
-    from plumbing.models import embedded_smollm2, not_a_model_folder
 
-    path = cfg.model or str(embedded_smollm2())
-    if model is not None:
-        config = model.config
-    elif why := not_a_model_folder(path):
-        raise ValueError(why)
-    else:
-        from transformers import AutoConfig
-        try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--model {cfg.model!r}: no config to plan from ({str(e).splitlines()[0]})") from None
+    config = model.config if model is not None else model_config(cfg)
     import torch
 
     cuda, shape = device.type == "cuda", Shape.of(config)
     if cuda and not torch.cuda.is_available():       # --plan --device cuda on a machine without one
         return plan(shape, cfg, True, cfg.bf16, prompts), shape, 0, "no GPU here: planned for one"
     rows = plan(shape, cfg, cuda, cfg.bf16 and fast_hf.bf16_supported(device), prompts)
-    return rows, shape, device_bytes(cuda), "GPU memory" if cuda else "RAM"
+    return rows, shape, device_bytes(cuda), ("GPU memory" if cuda else "RAM") + held_by_others(cuda)
+
+
+def model_path(cfg) -> str:
+    from plumbing.models import embedded_smollm2, not_a_model_folder
+
+    path = cfg.model or str(embedded_smollm2())
+    if why := not_a_model_folder(path):
+        raise ValueError(why)
+    return path
+
+
+def model_config(cfg):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(model_path(cfg), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {cfg.model!r}: no config to plan from ({str(e).splitlines()[0]})") from None
+
+
+def start_line(rows: dict, available: int, where: str) -> str:
+    return (f"memory plan: peak {rows['peak'] / GIB:.2f} GiB of {available / GIB:.1f} GiB {where}, episodes up to "
+            f"{rows['episode tokens']} tokens")
 
 
 def check(cfg, device, model, prompts) -> None:
     """The one-line summary every run prints at start, planned with its prompts (an iterable of
     token-id lists); ValueError (one line, the flag to change) when the peak is over 90% of the device."""
-    lengths = prompt_lengths(prompts)
-    rows, shape, available, where = for_run(cfg, device, model, lengths)
-    print(f"memory plan: peak {rows['peak'] / GIB:.2f} GiB of {available / GIB:.1f} GiB {where}, episodes up to "
-          f"{rows['episode tokens']} tokens (python train.py --plan for the table)")
+    rows, shape, available, where = for_run(cfg, device, model, prompt_lengths(prompts))
+    print(start_line(rows, available, where) + " (python train.py --plan for the table)")
     if available and (line := too_big(rows, available)) is not None:
         raise ValueError(line)
 
 
-def print_plan(cfg, device) -> str:
-    rows, shape, available, where = for_run(cfg, device)
-    return table(rows, shape, available, where, None, cfg)
+def print_plan(cfg, device, questions=None) -> str:
+    """The plan's table, from the prompts the run will read when train.questions(cfg, tokenizer)
+    can read them (tokenising only; then its peak is the one the run's start line prints), else
+    from the bound."""
+    prompts, why = None, "no reader"
+    if questions is not None:
+        from plumbing.models import load_tokenizer
+        try:
+            tokenizer = load_tokenizer(model_path(cfg))
+            prompts = prompt_lengths(questions(cfg, tokenizer)[-1])
+        except (OSError, ValueError) as e:        # FileNotFoundError is an OSError
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    rows, shape, available, where = for_run(cfg, device, prompts=prompts)
+    table_ = table(rows, shape, available, where, prompts, cfg)
+    note = "" if prompts else f"\n(the prompts were not read: {why})"
+    return start_line(rows, available, where) + "\n" + table_ + note

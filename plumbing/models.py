@@ -69,7 +69,7 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     The tokenizer pads on the left and has a pad token (EOS when it had none; padding is then
     decided by attention masks, never by comparing ids with pad_token_id).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     # transformers' own bars (loading weights, "Writing model shards" at every checkpoint) cut
@@ -79,13 +79,21 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     if why := not_a_model_folder(path):
         raise SystemExit(f"error: {why}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
                                                      local_files_only=True)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model: cannot load {name_or_path!r} from local files ({str(e).splitlines()[0]}). "
                          "Pass a folder with config.json, tokenizer and weights, or download it first "
                          f"on a machine with internet: `hf download {name_or_path}`.") from None
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(path):
+    """The tokenizer of the model folder `path`, as load_policy gives it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -94,7 +102,7 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     backend = getattr(tokenizer, "backend_tokenizer", None)          # fast tokenizers only
     if backend is not None and type(backend.model).__name__ == "BPE":
         tokenizer.clean_up_tokenization_spaces = False
-    return model.eval(), tokenizer
+    return tokenizer
 
 
 def reference_in_bf16(device: torch.device, bf16: bool) -> bool:

@@ -93,6 +93,9 @@ def open_run_log(run_dir: Path, cfg, step: int, device, n_eval: int) -> MetricsL
     bf16 = fast_hf.bf16_supported(device) and cfg.bf16
     record_machine(run_dir, step, device, bf16)
     print(describe(cfg, device, n_eval, bf16))
+    if device.type == "cuda":
+        print(f"log-prob attention: {', '.join(fast_hf.LOGPROB_KERNELS)} as the inputs allow, never "
+              "cuDNN (fast_hf.without_cudnn_attention)")
     return log
 
 

@@ -201,3 +201,13 @@ def test_a_cpu_run_bounds_onednns_caches_so_new_shapes_stop_adding_memory():
         pytest.skip("no bf16 matmuls on this CPU: train.py runs float32 here, which oneDNN does not cache")
     unbounded = grown_mib("default")[1]
     assert bounded < 0.5 * unbounded, (bounded, unbounded)
+
+
+def test_on_a_gpu_the_plan_counts_what_is_free_and_names_what_others_hold(monkeypatch):
+    # A retriever's encoder (or anything else) on the same card is not the run's to use.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * GIB)
+    assert memory_plan.device_bytes(True) == 42 * GIB
+    assert memory_plan.held_by_others(True) == ", 38.0 GiB held by other processes"
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 40 * GIB - 2**20)
+    assert memory_plan.held_by_others(True) == "" and memory_plan.held_by_others(False) == ""

@@ -10,6 +10,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import rollout as ro
+from plumbing import runs
 from plumbing.models import load_policy
 
 # ----------------------------------------------------------------------------------------------
@@ -438,3 +439,23 @@ def test_smollm2_two_episode_rollout():
     tail = ro._observation_ids(tokenizer, ["x"], 100)[0][-2:]
     assert tokenizer.convert_ids_to_tokens(tail) == ["\u010a", "\u010a"]
 
+
+
+def test_the_decode_occupancy_per_turn_counts_rows_still_running():
+    # Turn 1: three rows sample 23, 33 and 18 tokens (a search, a search, an answer): the turn
+    # decodes 33 steps for 3 rows. Turn 2: the two searching rows answer in 23 and 18 tokens.
+    first = ["<search> Mire </search>", "<search> a longer query </search>", "<answer>x</answer>"]
+    second = ["<answer> Mire </answer>", "<answer>y</answer>"]
+    assert [len(t) for t in first + second] == [23, 33, 18, 23, 18]
+    out, _, _ = run([[(first[0], False), (obs("Mire"), True), (second[0], False)],
+                     [(first[1], False), (obs("a longer query"), True), (second[1], False)],
+                     [(first[2], False)]], max_turns=2)
+    decode = out.decode
+    assert decode[("steps", 1)] == 33 and decode[("slots", 1)] == 3 * 33
+    assert decode[("tokens", 1)] == 23 + 33 + 18
+    assert decode[("steps", 2)] == 23 and decode[("tokens", 2)] == 23 + 18
+    metrics = runs.Phases().timing(out)
+    assert metrics["rollout/occupancy_turn1"] == (23 + 33 + 18) / (3 * 33)
+    assert metrics["rollout/occupancy_turn2"] == (23 + 18) / (2 * 23)
+    assert metrics["rollout/occupancy"] == (23 + 33 + 18 + 23 + 18) / (3 * 33 + 2 * 23)
+    assert metrics["rollout/decode_steps"] == 33 + 23

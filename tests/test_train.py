@@ -2,6 +2,7 @@
 on the toy world (in-process BM25). Every run here is a real train() call, a few seconds each."""
 import collections
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -12,7 +13,7 @@ import torch
 import data
 import rollout as ro
 import train
-from plumbing import cli, fast_hf, models, plots, runs
+from plumbing import cli, fast_hf, memory_plan, models, plots, runs
 from conftest import tiny_policy
 
 # Every key the LLD monitor promises in metrics.jsonl (issue 5).
@@ -680,3 +681,72 @@ def test_unnamed_runs_each_get_a_new_folder_and_resume_takes_the_newest(tmp_path
     train.train(dataclasses.replace(cfg, resume=True, steps=2), *tiny_policy())
     assert [l["step"] for l in step_lines(tmp_path / "demo-2")] == [1, 2]
     assert [l["step"] for l in step_lines(tmp_path / "demo")] == [1]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_attention_off_cudnn_and_rounded_lengths_keep_the_logprobs(bf16, tmp_path, monkeypatch,
+                                                                 alternating_rewards):
+    # Every log-prob pass holds SDPA off cuDNN (whose graphs with and without grad need not agree):
+    # a CPU then runs the kernel it picks anyway, so the numbers are today's bit for bit. A GPU also pads micro-batches up to a multiple of 128
+    # tokens (fewer shapes for its kernels): padding is masked, so the numbers are the same up to
+    # the order of a sum (a longer key axis is blocked otherwise), and as every pass pads alike,
+    # equal weights still give equal bits.
+    if bf16 and not fast_hf.bf16_supported(torch.device("cpu")):
+        pytest.skip("no bf16 units on this CPU")
+    model, tokenizer = tiny_policy(hidden_size=64, intermediate_size=128)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 250, (3, 70))
+    ids[:, :30] = ids[0, :30]                                        # a shared prompt prefix
+    attention = torch.ones_like(ids)
+    attention[1, 50:], attention[2, 61:] = 0, 0                      # right-padded rows
+    batch = {"input_ids": ids, "attention_mask": attention,
+             "loss_mask": (attention * (torch.arange(70) >= 30)).float()}
+    rows, cpu = torch.tensor([1, 2]), torch.device("cpu")
+
+    def logprobs(multiple, token_logprobs):
+        mb = runs.micro_batch(batch, rows, cpu, multiple)
+        with torch.no_grad(), fast_hf.autocast(cpu, bf16), \
+                fast_hf.prefix_once(model, ids, attention) as policy:
+            logp, entropy = token_logprobs(policy, mb["input_ids"], mb["attention_mask"],
+                                           mb["loss_mask"], 0.7)
+        return mb["input_ids"].shape[1], logp[:, :61], entropy[:, :61]
+
+    width, *plain = logprobs(1, train.token_logprobs.__wrapped__)      # unheld, unpadded
+    assert width == 61 and runs.micro_batch(batch, rows, cpu)["input_ids"].shape[1] == 61
+    assert all(torch.equal(a, b) for a, b in zip(plain, logprobs(1, train.token_logprobs)[1:]))
+    for multiple in (8, 64):
+        padded_width, *padded = logprobs(multiple, train.token_logprobs)
+        assert padded_width == min(-(-61 // multiple) * multiple, 70)   # rounded up, at most T
+        assert all(torch.allclose(a, b, rtol=0, atol=5e-3 if bf16 else 2e-6)   # bf16: 1.4e-3
+                   for a, b in zip(plain, padded))
+    assert "CUDNN_ATTENTION" not in fast_hf.LOGPROB_KERNELS
+    # a whole step at lr 0 with every micro-batch padded to a multiple of 64: exactly 0
+    monkeypatch.setattr(train, "micro_batch", functools.partial(runs.micro_batch, multiple=64))
+    cfg = tiny_config(tmp_path, steps=1, lr=0.0, eval_size=0, micro_batch_size=2, kl_coef=0.1,
+                      bf16=bf16)
+    train.train(cfg, model, tokenizer)
+    line = step_lines(tmp_path / "run")[0]
+    assert line["clip_ratio"] == line["ppo_kl"] == line["kl"] == line["llds/loss"] == 0
+    assert line["lld/displacement_correct"] == 0
+
+
+def test_plan_flag_prints_the_peak_of_the_runs_start_line(tmp_path, capsys):
+    model, tokenizer = tiny_policy()
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    cfg = tiny_config(tmp_path, model=str(tmp_path / "m"))
+    planned = memory_plan.print_plan(cfg, torch.device("cpu"), train.questions)
+    train.setup(cfg)
+    started = capsys.readouterr().out
+
+    def peak(text):
+        return re.search(r"memory plan: peak ([\d.]+) GiB", text).group(1)
+
+    assert peak(planned) == peak(started) and "longest prompt" in planned
+    flags = ["--plan", "--model", str(tmp_path / "m"), "--out-dir", str(tmp_path)]
+    train.main(flags)
+    assert "longest prompt" in capsys.readouterr().out
+    # where the data is not there: the bound, and why
+    train.main([*flags, "--data", str(tmp_path / "missing.jsonl")])
+    out = capsys.readouterr().out
+    assert "(the prompts were not read: " in out and "prompts not read: max_prompt_tokens" in out

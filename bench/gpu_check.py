@@ -39,11 +39,12 @@ recorded and the next one runs. Files go to --dir (default $TMPDIR), checked for
 write; the model folder is deleted once loaded. Exit status 0 when nothing failed and lr 0 was
 exact, else 1.
 
-On the lent H200 (600 s a command), from the repository root, nothing carried:
+On a lent GPU machine that stops a command at 600 s, from the repository root, with nothing
+installed and no file carried beyond the tree:
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --json $OUT/gpu_check.json --budget 540
 
-(timeout_s 590). Elsewhere:
+($OUT: a folder that comes back; the report holds every phase that ended.) Elsewhere:
 
     python bench/gpu_check.py --model qwen2.5-0.5b-instruct --preset one-gpu-0.5b-80gb
     python bench/gpu_check.py --smoke     # a tiny config on the CPU (tests/test_gpu_check.py)
@@ -190,6 +191,8 @@ def bandwidth(device: torch.device) -> dict:
     _sync(device)
     seconds = (time.perf_counter() - start) / repeats
     del x, y
+    if device.type == "cuda":
+        torch.cuda.empty_cache()          # so the reserved memory measured later is the run's
     return {"copy GiB": n / GIB, "GB/s": 2 * n / seconds / 1e9}
 
 

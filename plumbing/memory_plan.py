@@ -265,8 +265,8 @@ def model_config(cfg):
 
 
 def start_line(rows: dict, available: int, where: str) -> str:
-    return (f"memory plan: peak {rows['peak'] / GIB:.2f} GiB of {available / GIB:.1f} GiB {where}, episodes up to "
-            f"{rows['episode tokens']} tokens")
+    of = f"of {available / GIB:.1f} GiB {where}" if available else f"({where})"
+    return f"memory plan: peak {rows['peak'] / GIB:.2f} GiB {of}, episodes up to {rows['episode tokens']} tokens"
 
 
 def check(cfg, device, model, prompts) -> None:

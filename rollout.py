@@ -341,10 +341,9 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
     episodes = [_Episode(r, list(p), [PROMPT] * len(p), [0.0] * len(p), len(p))
                 for r, p in zip(records, prompts)]
     invalid_ids = encode_in_text(tokenizer, INVALID_ACTION)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     t0 = time.perf_counter()
-    kv = fast_hf.KVBatch(model, pad_id)
+    kv = fast_hf.KVBatch(model, tokenizer.pad_token_id or 0)
     logits = kv.start(prompts)
     stops = fast_hf.StopChecker(tokenizer, model, logits.shape[-1], logits.device, _STOP_STRINGS)
     active = list(range(len(episodes)))          # episode index of each cache row
@@ -374,9 +373,7 @@ def _run_batch(model, tokenizer, records: list[dict], retriever, cfg: RolloutCon
             if kind == "answer":
                 ep.finished, ep.answer_turn = True, len(ep.turns) - 1
                 continue
-            # A sampled EOS ends the episode unfinished, the EOS kept with loss 1 (as in single-
-            # turn GRPO); so does the final turn without an answer (no search runs there).
-            if kind == "eos" or not can_search:
+            if kind == "eos" or not can_search:    # unfinished, the EOS kept (module docstring)
                 continue
             if kind == "search":
                 ep.queries.append(query)
@@ -423,7 +420,7 @@ def rollout(model, tokenizer, records: list[dict], retriever, cfg: RolloutConfig
             episodes += _run_batch(model, tokenizer, records[first:first + cfg.batch_size],
                                    retriever, cfg, timing, decode, lambda t: progress(where + t))
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = tokenizer.pad_token_id or 0
     results, answer_rows = [], []
     for ep in episodes:
         answer, answer_row = None, [0.0] * len(ep.ids)

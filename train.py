@@ -230,10 +230,8 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
         group["lr"] = lr
 
     # 1. G rollouts per prompt, each group G consecutive rows.
-    def roll(records):
-        return rollout.rollout(model, run.tokenizer, records, run.retriever, rollout_config(cfg),
-                               progress=phases.note)
-
+    roll = functools.partial(rollout.rollout, model, run.tokenizer, retriever=run.retriever,
+                             cfg=rollout_config(cfg), progress=phases.note)   # roll(records)
     with phases("rollout"):
         records = [r for r in sampler.next(cfg.prompts_per_step) for _ in range(G)]
         out, redrawn = roll(records), 0
@@ -259,8 +257,7 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
              "loss_mask": out.loss_mask, "answer_mask": out.answer_mask,
              "advantages": group_advantages(rewards, G)}                                # (N,)
 
-    # 3. Old (rollout-policy) and reference log-probs of every row, before any update, in the
-    #    micro-batches the update will use.
+    # 3. Old (rollout-policy) and reference log-probs of every row, in the update's micro-batches.
     minibatches = shuffle_into_minibatches(out.attention_mask.sum(1), cfg.mini_batch_size,
                                            cfg.micro_batch_size)
     with phases("logprob", release=False):
@@ -399,8 +396,7 @@ def displacement(model, batch, minibatches, correct, cfg, device, every_row=Fals
 # ---- The loop ------------------------------------------------------------------------------
 
 def questions(cfg: Config, tokenizer):
-    """The training and held-out questions, every prompt checked once (one too long would stop
-    the run whenever drawn), and their prompts' token ids (a generator, for the memory plan)."""
+    """The questions, every prompt checked at load, and all their prompts' ids (a generator)."""
     train_records = data.load_questions(cfg.data, split="train")
     eval_records = data.heldout_set(cfg.eval_data or cfg.data, cfg.eval_size)
     train_records, _ = rollout.drop_long_prompts(train_records, tokenizer, rollout_config(cfg),
@@ -431,9 +427,8 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     ref = (reference_copy(model, reference_in_bf16(device, cfg.bf16)).to(device)
            if cfg.kl_coef > 0 else None)
     place_for_training(model, device, cfg.grad_checkpointing)
-    return runs.Run(device=device, dir=run_dir, train_records=train_records,
-                    eval_records=eval_records, retriever=search_engine, model=model,
-                    tokenizer=tokenizer, ref=ref,
+    return runs.Run(device=device, dir=run_dir, ref=ref, model=model, tokenizer=tokenizer,
+                    train_records=train_records, eval_records=eval_records, retriever=search_engine,
                     optimizer=runs.adamw(model.parameters(), cfg.lr, cfg.weight_decay, device))
 
 

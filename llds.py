@@ -5,12 +5,11 @@ Re-implements the regulariser of Deng et al., "On GRPO Collapse in Search-R1: Th
 Likelihood-Displacement Death Spiral" (arXiv 2512.04220), as one loss function you can copy into
 any trainer. Imports only torch.
 
-The problem. In multi-turn search RL a trajectory alternates model *actions* (one assistant
-turn: think + search, or the final answer) with tool *observations* (retrieved passages) that
-get no gradient. Under GRPO the log-likelihood of correct trajectories often stagnates and
-then falls while reward still rises ("lazy likelihood displacement"); entropy then grows, the
-gradient norm explodes and training collapses. Incorrect responses that resemble correct ones
-push their shared tokens down.
+The problem. A search agent's trajectory alternates model *actions* (think + search, or the
+final answer) with tool *observations* (retrieved passages) that get no gradient. Under GRPO the
+likelihood of correct trajectories often stagnates, then falls while reward still rises ("lazy
+likelihood displacement": incorrect responses that resemble them push shared tokens down);
+entropy then grows, the gradient norm explodes and training collapses.
 
 The fix. Within one rollout batch the policy takes several optimiser steps (mini-batches). For
 token k of action t of response i, the displacement against the rollout-time policy is
@@ -29,24 +28,24 @@ and then every token of it whose likelihood fell pays a one-sided hinge:
 The hinge's gradient is -grad log pi_theta on exactly the tokens whose probability fell: a
 lambda-weighted likelihood push-up. With one optimiser step per rollout batch, d == 0 and L == 0.
 
-Options, all from the paper or the authors' code:
-- gate="action" (default, best in the paper): an action is a maximal run of consecutive
-  loss-mask tokens, so observations (loss_mask 0) split actions. gate="response" uses one gate
-  per response (sum of d over all its model tokens); gate="token" has no gate at all.
-- answer_mask / answer_weight (LLDS-MA): w = answer_weight (the paper's beta) on the final
-  <answer>...</answer> span, w = 1 elsewhere. The weight scales the penalty, not the gate.
-- reduction="token-mean" (the authors' code): Z = number of loss-mask tokens of ALL responses
-  in the batch, negative-advantage ones included. reduction="seq-mean" (the paper's eq. 4):
-  each preserving response is divided by its own number of model tokens, then the mean is
-  taken over preserving responses (0 if there are none).
+Options:
+- gate="action" (default, best in the paper): an action is a maximal run of loss-mask tokens,
+  so observations split actions; gate="response": one gate per response; "token": no gate.
+- answer_mask, answer_weight (LLDS-MA): w = answer_weight on the final <answer>...</answer>
+  span, 1 elsewhere; it scales the penalty, not the gate. answer_weight() sets it as the
+  authors' code does.
+- reduction="token-mean": Z = the loss-mask tokens of ALL responses in the batch. Called per
+  micro-batch and divided by their number, this is the authors' code; given denominator= the
+  mini-batch's count (train.py), it is current veRL's and DAPO's token-mean, every token alike.
+  "seq-mean" (the paper's eq. 4): each preserving response over its own model tokens, then the
+  mean over preserving responses (0 if there are none).
 
 Choices made here (not fixed by the paper):
-- advantages may be (B,) or (B, T). For (B, T) the response's advantage is the mean over its
-  loss-mask tokens; GRPO advantages are constant along a response, so this is exactly A_i
-  (values outside the loss mask are ignored, so veRL's zero-padded layout works as is).
-- The gate uses the raw float32 displacement; a net displacement of exactly 0 keeps the gate
-  shut (the paper's strict "> 0"), and a token with d == 0 gets no gradient.
-- NaN/inf where loss_mask == 0 are replaced (torch.where) first: they reach neither loss nor grad.
+- advantages (B,) or (B, T); for (B, T) a response's advantage is the mean over its loss-mask
+  tokens, exactly A_i for GRPO (veRL's zero-padded layout works as is).
+- An action's net displacement must be > 0 (the paper's strict "> 0"); a token with d == 0
+  gets no gradient (the authors' torch.maximum gives it half).
+- NaN/inf where loss_mask == 0 reach neither loss nor gradient (torch.where).
 
 Stats returned (floats, veRL-style names):
     llds/active_token_frac    penalised tokens / tokens of preserving responses
@@ -62,10 +61,7 @@ REDUCTIONS = ("token-mean", "seq-mean")
 
 
 def action_ids(mask):
-    """0 outside the mask; 1..K numbering the maximal contiguous runs of 1s in each row.
-
-    mask: (B, T) bool or 0/1 -> (B, T) long.
-    """
+    """mask (B, T) bool or 0/1 -> (B, T) long: 1..K numbering each row's runs of 1s, 0 elsewhere."""
     on = mask.bool()
     return _run_starts(on).cumsum(dim=1) * on
 
@@ -93,11 +89,8 @@ def preserving_responses(advantages, loss_mask):
 
 
 def _gate(gate, d, valid, preserving, starts):
-    """Which tokens may pay, and how many actions have an open gate (for the stats).
-
-    d: (B, T) float32, 0 outside the loss mask; valid, starts: (B, T) bool; preserving: (B,)
-    bool -> (open: (B, T) bool, n_open_actions: scalar tensor).
-    """
+    """Which tokens may pay, and how many actions have an open gate (for the stats): d (B, T)
+    float32, 0 off the mask; valid, starts (B, T) bool; preserving (B,) bool -> ((B, T) bool, n)."""
     if gate == "token":
         open_ = valid & preserving[:, None]
         return open_, (starts.sum(dim=1) * preserving).sum()
@@ -157,14 +150,20 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
     loss = total / (z.clamp(min=1) if denominator is None else denominator)
 
     with torch.no_grad():
-        n_pres_tok = (n_tok * preserving).sum()
-        n_pres_actions = (starts.sum(dim=1) * preserving).sum()
-        values = torch.stack([
-            penalised.sum() / n_pres_tok.clamp(min=1),
-            n_open_actions / n_pres_actions.clamp(min=1),
-            (d_value.sum(dim=1) * preserving).sum() / n_pres_tok.clamp(min=1),
-            preserving.sum().float(),
-        ]).tolist()
-    names = ("llds/active_token_frac", "llds/active_action_frac", "llds/displacement",
-             "llds/n_preserving")
-    return loss, dict(zip(names, values))
+        n_pres_tok = (n_tok * preserving).sum().clamp(min=1)
+        n_pres_actions = (starts.sum(dim=1) * preserving).sum().clamp(min=1)
+        stats = {"llds/active_token_frac": penalised.sum() / n_pres_tok,
+                 "llds/active_action_frac": n_open_actions / n_pres_actions,
+                 "llds/displacement": (d_value.sum(dim=1) * preserving).sum() / n_pres_tok,
+                 "llds/n_preserving": preserving.sum().float()}
+        return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist()))
+
+
+def answer_weight(lam, coef, valid_searches=None):
+    """LLDS-MA's answer_weight as the authors' code sets it, relative to lam: the answer span's
+    coefficient min(coef, lam), adaptively min(coef * max(V - 1, 0), lam), V = valid_searches the
+    batch's mean valid searches per trajectory (coef = inf: no masking). The paper's appendix
+    writes the adaptive one as min(V / 2, 1) x lam: 0.5 lam at V = 1, where the code gives 0."""
+    if valid_searches is not None:
+        coef = coef * (valid_searches - 1) if valid_searches > 1 else 0.0
+    return min(coef, lam) / lam if lam > 0 else 1.0

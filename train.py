@@ -5,13 +5,12 @@ monitor, the loop. `python train.py` trains the embedded SmolLM2-135M-Instruct o
 with an in-process BM25 on a CPU; `--preset paper` is the paper's setting on one GPU.
 
 How it maps to the papers. Search-R1 (Jin et al., arXiv 2503.09516) is the environment (rollout.py:
-multi-turn generation with <search>, retrieved <information> as forced tokens with loss mask 0,
-exact-match reward). Deng et al. (arXiv 2512.04220) train it with GRPO and add LLDS (llds.py). One
-training step is their veRL step, numbered as in train_step: 1. `group_size` rollouts per question
-(tied groups redrawn: dynamic sampling); 2. exact-match rewards, group-relative advantages; 3. old
-log-probs (the rollout policy) of every row, and reference log-probs when kl_coef > 0; 4. one AdamW
-step per shuffled mini-batch: clipped surrogate - entropy bonus + k3 KL + lambda LLDS (with one
-update per rollout batch the policy IS the rollout policy and LLDS is 0); 5. the LLD monitor.
+<search> turns, retrieved <information> as forced tokens with loss mask 0, exact-match reward);
+Deng et al. (arXiv 2512.04220) train it with GRPO and LLDS (llds.py), one veRL step numbered as in
+train_step: 1. `group_size` rollouts per question (tied groups redrawn); 2. rewards, group-relative
+advantages; 3. old log-probs (the rollout policy) of every row, reference ones when kl_coef > 0;
+4. one AdamW step per shuffled mini-batch: clipped surrogate - entropy bonus + k3 KL + lambda LLDS
+(with one update per rollout batch LLDS is 0); 5. the LLD monitor, and its warning (spiral.py).
 
 Simplified on purpose: one process, one device, no vLLM (rollout.py samples with the training
 model's own KV cache); fp32 master weights under bf16 autocast (bf16 weights would round away
@@ -33,7 +32,7 @@ import data
 import retriever
 import rollout
 from eval import heldout_eval
-from llds import GATES, REDUCTIONS, action_ids, llds_loss, preserving_responses
+from llds import GATES, REDUCTIONS, action_ids, answer_weight, llds_loss, preserving_responses
 from plumbing import fast_hf, memory, memory_plan, report, runs, token_view
 from plumbing.cli import check_config, flag, parse_train_args
 from plumbing.dynamic_sampling import replace_rows
@@ -42,6 +41,7 @@ from plumbing.plots import plot_runs
 from plumbing.presets import PRESETS
 from plumbing.runs import micro_batch, shuffle_into_minibatches
 from plumbing.search_health import search_health
+from spiral import SpiralMonitor
 
 # ---- Configuration -------------------------------------------------------------------------
 # Every field is a flag (--llds-lambda, --no-llds, ...): its help text, then what it accepts.
@@ -94,14 +94,17 @@ class Config:
     llds: bool = flag(True, "the LLDS regulariser; --no-llds = plain GRPO")
     llds_lambda: float = flag(0.2, "LLDS coefficient lambda", ">= 0")
     llds_gate: str = flag("action", "LLDS gate: action, response or token", "choice")
-    llds_reduction: str = flag("token-mean", "token-mean (authors' code) or seq-mean", "choice")
-    answer_weight: str = flag("1.0", "LLDS-MA answer weight: a number or 'adaptive'", "any")
+    llds_reduction: str = flag("token-mean", "mini-batch token-mean, or seq-mean (eq. 4)", "choice")
+    answer_coef: float = flag(math.inf, "LLDS-MA: the answer span's coefficient, capped at lambda "
+                              "(the authors' runs: 0.05); inf = off", "any")
+    answer_adaptive: bool = flag(False, "LLDS-MA: that x max(V - 1, 0), V: mean valid searches")
     # monitoring, evaluation, checkpoints
     displacement_every: int = flag(1, "correct responses' displacement every N steps", ">= 0")
     token_view_every: int = flag(10, "<run>/views/step_N.html every N steps and the last", ">= 0")
     samples_per_step: int = flag(4, "trajectories saved per step in <run>/samples/", ">= 0")
-    spiral_window: int = flag(5, "warn when correct log-lik falls N steps in a row", ">= 1")
-    spiral_grad_factor: float = flag(10.0, "warn at a grad norm this x its median", "> 0")
+    spiral_nats: float = flag(5.0, "warn when correct responses lose > this in --spiral-window "
+                              "steps while mean reward < 0.7 x its best (spiral.py)", "> 0")
+    spiral_window: int = flag(5, "steps of the LLD warning's sums and means", ">= 1")
     eval_every: int = flag(0, "held-out EM every N steps; 0 = before and after only", ">= 0")
     eval_size: int = flag(100, "held-out questions (greedy decoding); 0 = no evaluation", ">= 0")
     eval_samples: int = flag(0, "also N samples per held-out question (eval/em_sampled)", ">= 0")
@@ -235,10 +238,9 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
     with phases("rollout"):
         records = [r for r in sampler.next(cfg.prompts_per_step) for _ in range(G)]
         out, redrawn = roll(records), 0
-        # Dynamic sampling (DAPO): a group whose rewards all tie has advantage 0 and gives no
-        # gradient, so its prompt is replaced by a fresh one, for up to drop_tied_groups rounds.
-        # It changes what LLDS protects: an all-correct group, whose likelihood only LLDS guards
-        # (GRPO never pushes it up), leaves the batch.
+        # Dynamic sampling (DAPO): a group whose rewards all tie has advantage 0 and no GRPO
+        # gradient, so its prompt is replaced by a fresh one, for up to drop_tied_groups rounds
+        # (the authors never redraw). Groups that still tie stay, and LLDS guards them (A = 0).
         for _ in range(cfg.drop_tied_groups):
             rewards = torch.tensor([e["reward"] for e in out.episodes]).view(-1, G)   # (P, G)
             tied = torch.nonzero(rewards.amax(1) == rewards.amin(1)).flatten().tolist()
@@ -266,20 +268,22 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
         if run.ref is not None:
             batch["ref_logp"] = logprob_pass(run.ref, batch, minibatches, cfg, run.device)[0]
 
-    # 4. One AdamW step per mini-batch, gradients accumulated over its micro-batches. Each term
-    #    is a sum over the mini-batch's model tokens divided by their number, n_tokens (LLDS's
-    #    seq-mean divides by its preserving responses). beta: LLDS-MA's answer weight.
-    beta = (min(statistics.fmean(e["n_search"] for e in out.episodes) / 2, 1.0)
-            if cfg.answer_weight == "adaptive" else float(cfg.answer_weight))
+    # 4. One AdamW step per mini-batch, gradients accumulated over its micro-batches. Each term is
+    #    a sum over the mini-batch's model tokens over their number, n_tokens (seq-mean LLDS: over
+    #    its preserving responses; the authors: per micro-batch, docs/method.md). beta: LLDS-MA's.
+    valid = statistics.fmean(e["n_search"] for e in out.episodes) if cfg.answer_adaptive else None
+    beta = answer_weight(cfg.llds_lambda, cfg.answer_coef, valid)
     llds_lambda = cfg.llds_lambda if cfg.llds else 0.0   # off, LLDS is still computed and logged
     sums, norms = collections.Counter(), []
     model.train()       # no dropout in these models; gradient checkpointing needs it
+    run.optimizer.zero_grad(set_to_none=True)   # nothing from a step that stopped half-way
     for mini in phases.each("update", minibatches, "mini-batch"):
         rows = torch.cat(mini)
         n_tokens = batch["loss_mask"][rows].sum().clamp(min=1)
         n_llds = n_tokens if cfg.llds_reduction == "token-mean" else preserving_responses(
             batch["advantages"][rows], batch["loss_mask"][rows]).sum().clamp(min=1)
-        # the prompt prefix that all rows share runs once per mini-batch (plumbing/fast_hf.py)
+        # The prompt prefix all rows share runs once per mini-batch (plumbing/fast_hf.py); its
+        # share of the gradient is added on leaving the `with`, before the clip.
         with fast_hf.prefix_once(model, batch["input_ids"], batch["attention_mask"],
                                  not cfg.grad_checkpointing) as policy:
             for micro in mini:
@@ -440,7 +444,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
     state = runs.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
     sampler = runs.PromptSampler(run.train_records, cfg.seed, **state["sampler"])
-    monitor = runs.SpiralMonitor(cfg.spiral_window, cfg.spiral_grad_factor, state["monitor"])
+    monitor = SpiralMonitor(cfg.spiral_window, cfg.spiral_nats, state["monitor"])
     log = report.open_run_log(run.dir, cfg, start, run.device, len(run.eval_records))
     eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
     held_out = functools.partial(heldout_eval, run.model, run.tokenizer, run.eval_records,

@@ -24,8 +24,8 @@ with
 - by default the normaliser TRL applies to its policy term for the configured `loss_type`
   (per-sequence means for grpo/sapo, micro-batch tokens for bnpo, B x max_completion_length for
   dr_grpo, sequences for luspo, dapo/cispo/vespo's per-step average below), so lambda weighs LLDS
-  against the policy term exactly as in the paper. `llds_reduction="token-mean"` (the authors' code:
-  model tokens) or `"seq-mean"` (the paper's eq. 4: per response, then over preserving responses)
+  against the policy term exactly as in the paper. `llds_reduction="token-mean"` (model tokens, every
+  token alike) or `"seq-mean"` (the paper's eq. 4: per response, then over preserving responses)
   choose llds.py's normalisers instead, counted like TRL's dapo: the model tokens (or preserving
   responses) of the whole generation batch on all processes x gradient_accumulation_steps /
   steps_per_generation, i.e. the average count per optimiser step, not each step's own count.
@@ -34,17 +34,19 @@ Dropout: LLDS compares two forward passes over the same tokens (rollout time and
 dropout would make differ by noise; TRL leaves it on (disable_dropout=False) and its switch misses
 the `attention_dropout` of HF attention layers. With llds_lambda > 0 this trainer switches all of
 it off in the policy, with a warning when any was on.
-LLDS-MA: `llds_answer_weight` (the paper's beta) weighs the last <answer>...</answer> of each
-completion; "adaptive" = min(V/2, 1) with V the generation batch's mean number of tool calls that
-ran without error per episode (train.py's `answer_weight`), logged as llds/answer_weight.
+LLDS-MA: `llds_answer_coef` is the coefficient of the last <answer>...</answer> of each completion,
+capped at llds_lambda, as in the authors' code (llds.answer_weight); `llds_answer_adaptive` scales it
+by max(V - 1, 0), V the generation batch's mean number of tool calls that ran without error per
+episode. The weight relative to lambda is logged as llds/answer_weight.
 """
+import math
 import re
 import warnings
 
 import torch
 from trl import GRPOTrainer
 
-from llds import GATES, llds_loss
+from llds import GATES, answer_weight, llds_loss
 
 # How GRPOTrainer._compute_loss normalises its policy term, per loss_type (TRL 1.16).
 POLICY_NORMALISER = {"grpo": "sequence-means", "sapo": "sequence-means", "bnpo": "micro-batch-tokens",
@@ -110,19 +112,20 @@ class LLDSGRPOTrainer(GRPOTrainer):
     llds_lambda: coefficient (0.2 in the paper; 0 turns LLDS off).
     llds_gate: "action" (default), "response" or "token" (see llds.py).
     llds_reduction: "policy" (default: TRL's normaliser for args.loss_type), "token-mean" or "seq-mean".
-    llds_answer_weight: LLDS-MA weight beta on the last <answer>...</answer> span (1.0 = plain LLDS),
-        or "adaptive" = min(V/2, 1), V = tool calls without error per episode (needs tools).
+    llds_answer_coef: LLDS-MA: the last <answer>...</answer> span's coefficient, capped at
+        llds_lambda (inf = plain LLDS); llds_answer_adaptive: it x max(V - 1, 0), V = tool calls
+        without error per episode (needs tools).
     """
 
     def __init__(self, *args, llds_lambda=0.2, llds_gate="action", llds_reduction="policy",
-                 llds_answer_weight=1.0, **kwargs):
+                 llds_answer_coef=math.inf, llds_answer_adaptive=False, **kwargs):
         if llds_gate not in GATES:
             raise ValueError(f"LLDSGRPOTrainer: llds_gate must be one of {GATES}, got {llds_gate!r}")
         if llds_reduction not in REDUCTIONS:
             raise ValueError(f"LLDSGRPOTrainer: llds_reduction must be one of {REDUCTIONS}, got {llds_reduction!r}")
-        if llds_answer_weight != "adaptive" and not isinstance(llds_answer_weight, (int, float)):
-            raise ValueError(f"LLDSGRPOTrainer: llds_answer_weight must be a number or 'adaptive', "
-                             f"got {llds_answer_weight!r}")
+        if not (isinstance(llds_answer_coef, (int, float)) and llds_answer_coef >= 0):
+            raise ValueError(f"LLDSGRPOTrainer: llds_answer_coef must be a number >= 0 or math.inf, "
+                             f"got {llds_answer_coef!r}")
         super().__init__(*args, **kwargs)
         if self.loss_type not in POLICY_NORMALISER:
             raise ValueError(f"LLDSGRPOTrainer knows the normalisers of loss_type {sorted(POLICY_NORMALISER)}, "
@@ -135,9 +138,9 @@ class LLDSGRPOTrainer(GRPOTrainer):
                 "falls inside one optimiser step: the policy is still the rollout policy, TRL computes no old "
                 "log-probs and LLDS is exactly 0. Make it not a multiple, e.g. steps_per_generation = "
                 f"{4 * accumulation} (4 x gradient_accumulation_steps: 4 optimiser steps per generation batch).")
-        if llds_answer_weight == "adaptive" and not self.tools:
-            raise ValueError("LLDSGRPOTrainer: llds_answer_weight='adaptive' counts tool calls per episode; "
-                             "pass tools=[...] or a fixed weight")
+        if llds_answer_adaptive and not self.tools:
+            raise ValueError("LLDSGRPOTrainer: llds_answer_adaptive counts tool calls per episode; "
+                             "pass tools=[...] or a fixed coefficient")
         if llds_lambda:
             was_on = switch_off_dropout(self.model)
             if was_on:
@@ -145,7 +148,8 @@ class LLDSGRPOTrainer(GRPOTrainer):
                               "LLDS compares the rollout-time and current log-probs of the same tokens, which "
                               "dropout would make differ by noise", stacklevel=2)
         self.llds_lambda, self.llds_gate = llds_lambda, llds_gate
-        self.llds_reduction, self.llds_answer_weight = llds_reduction, llds_answer_weight
+        self.llds_reduction = llds_reduction
+        self.llds_answer_coef, self.llds_answer_adaptive = llds_answer_coef, llds_answer_adaptive
         self._llds_logps, self._llds_valid_calls = None, 0
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -168,7 +172,7 @@ class LLDSGRPOTrainer(GRPOTrainer):
         if self.llds_reduction == "seq-mean":   # its denominator: preserving responses, all processes
             preserving = (out["advantages"] >= 0) & (model_tokens.sum(1) > 0)
             out["llds_num_preserving"] = self.accelerator.gather(preserving.sum()).sum()
-        if self.llds_answer_weight != 1.0:      # once per generation batch, not per micro-batch
+        if self.llds_answer_adaptive or self.llds_answer_coef < self.llds_lambda:   # once per batch
             # The text runs through the tool results (completion_mask); the weight lands on model tokens only.
             answer = answer_mask(self.processing_class, out["completion_ids"], out["completion_mask"])
             out["llds_answer_mask"] = answer * model_tokens
@@ -176,14 +180,14 @@ class LLDSGRPOTrainer(GRPOTrainer):
         return out
 
     def answer_weight(self, n_episodes):
-        """LLDS-MA beta for this generation batch: fixed, or min(V/2, 1) with V = tool calls without
-        error per episode over all processes (this process has n_episodes of them)."""
-        if self.llds_answer_weight != "adaptive":
-            return float(self.llds_answer_weight)
+        """LLDS-MA's weight for this generation batch (llds.answer_weight); adaptive, V = tool calls
+        without error per episode over all processes (this process has n_episodes of them)."""
+        if not self.llds_answer_adaptive:
+            return answer_weight(self.llds_lambda, self.llds_answer_coef)
         counts = torch.tensor([[self._llds_valid_calls, n_episodes]], dtype=torch.float32,
                               device=self.accelerator.device)
         calls, episodes = self.accelerator.gather(counts).sum(0).tolist()
-        return min(calls / episodes / 2, 1.0)
+        return answer_weight(self.llds_lambda, self.llds_answer_coef, calls / episodes)
 
     def _compute_loss(self, model, inputs):
         self._llds_logps = None

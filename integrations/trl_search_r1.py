@@ -1,7 +1,7 @@
 """integrations/trl_search_r1.py: Search-R1 trained with GRPO + LLDS inside TRL's GRPOTrainer, on CPU.
 
     python integrations/trl_search_r1.py                          # embedded SmolLM2-135M, toy world, BM25
-    python integrations/trl_search_r1.py --steps 6 --answer-weight adaptive --out-dir /tmp/trl-run
+    python integrations/trl_search_r1.py --steps 6 --answer-coef 0.05 --answer-adaptive --out-dir /tmp/trl-run
 
 Everything a TRL user writes to train a search agent with LLDS, and nothing else: chat prompts with
 their gold answers, Search-R1's exact-match reward, our BM25 over the toy world's corpus as a TRL tool, and
@@ -27,6 +27,7 @@ How it differs from train.py, this project's own Search-R1 loop:
   train.py's on a few-shot prompt); pass --threads 1 when other jobs share the cores.
 """
 import json
+import math
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -77,7 +78,8 @@ class Config:
     lr: float = flag(2e-5, "AdamW learning rate", ">= 0")
     llds_lambda: float = flag(0.2, "LLDS coefficient; 0 = plain GRPO", ">= 0")
     llds_gate: str = flag("action", "LLDS gate: action, response or token", "choice")
-    answer_weight: str = flag("1.0", "LLDS-MA answer weight: a number or 'adaptive'", "any")
+    answer_coef: float = flag(math.inf, "LLDS-MA: the answer's coefficient, capped at lambda", "any")
+    answer_adaptive: bool = flag(False, "LLDS-MA: --answer-coef x max(V - 1, 0), V = valid searches")
     report_to: str = flag("none", "TRL logging backends (tensorboard, wandb, ...)", "any")
     seed: int = flag(0, "sampling and shuffling seed", "0..4294967295")
     threads: int = flag(0, "torch CPU threads; 0 = torch's default", ">= 0")
@@ -163,12 +165,12 @@ def build_trainer(cfg: Config, model, tokenizer, out: Path) -> LLDSGRPOTrainer:
         report_to=cfg.report_to, use_cpu=not torch.cuda.is_available(),
         bf16=fast_hf.bf16_supported(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         disable_tqdm=True, seed=cfg.seed)
-    answer_weight = cfg.answer_weight if cfg.answer_weight == "adaptive" else float(cfg.answer_weight)
     trainer = LLDSGRPOTrainer(
         model=model, reward_funcs=em_reward(cfg.format_score), args=args, processing_class=tokenizer,
         train_dataset=dataset(records[:n_questions]),
         tools=[search_tool(cfg.corpus or str(data.toy_world() / "corpus.jsonl"), cfg.topk)],
-        llds_lambda=cfg.llds_lambda, llds_gate=cfg.llds_gate, llds_answer_weight=answer_weight)
+        llds_lambda=cfg.llds_lambda, llds_gate=cfg.llds_gate, llds_answer_coef=cfg.answer_coef,
+        llds_answer_adaptive=cfg.answer_adaptive)
     trainer.remove_callback(PrinterCallback)            # PrintSteps shows the lines that matter here
     trainer.add_callback(PrintSteps())
     return trainer

@@ -20,7 +20,8 @@ loss modes that force their own (sapo: seq-mean-token-mean). `integrations/verl_
 change for veRL 0.9.1, plus the `llds_coef` / `llds_gate` config fields and `check_verl_config` in
 veRL's startup checks: `cd verl && git apply verl_llds.patch`, then train with
 `actor_rollout_ref.actor.llds_coef=0.2` and several optimiser steps per batch (`ppo_mini_batch_size`
-< `data.train_batch_size`, the paper: 512 prompts, 256 per mini-batch; or `ppo_epochs` > 1).
+< `data.train_batch_size`; veRL 0.9 multiplies it by `rollout.n`, so 500 prompts and 50 per
+mini-batch give the authors' 10 updates a batch; or `ppo_epochs` > 1).
 Older veRL (Search-R1's fork, `dp_actor.update_policy`) has no aggregation modes: there, after
 `policy_loss = pg_loss - entropy_loss * entropy_coeff`, add
 

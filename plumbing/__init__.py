@@ -1,7 +1,7 @@
 """plumbing: the engineering the teaching scripts call in one line, and a reader may skip.
 
-The top-level scripts (llds.py, train.py, rollout.py, retriever.py, eval.py, data.py) hold the
-method. Everything here is there to make them fast, robust or convenient, not to explain
+The top-level scripts (llds.py, train.py, rollout.py, retriever.py, eval.py, data.py, spiral.py)
+hold the method. Everything here is there to make them fast, robust or convenient, not to explain
 anything: each module says what it speeds up or takes care of.
 
     fast_hf.py    exact speed-ups of Hugging Face internals: a KV cache that grows in place, one
@@ -16,9 +16,9 @@ anything: each module says what it speeds up or takes care of.
     runs.py       run folders: what train.py's setup() returns (Run), the device, seeds,
                   checkpoints and RNG state, the model folder eval.py finds in a run, metrics log,
                   samples, prompt sampler, a micro-batch's rows, phase timing and what the progress
-                  bar says of it, the spiral monitor's warnings, the step's mini- and micro-batches
-                  and their logged means, AdamW as each device wants it, a user error, a signal
-                  or a full disk in one line, checkpoints written whole and checked on --resume
+                  bar says of it, the step's mini- and micro-batches and their logged means, AdamW
+                  as each device wants it, a user error, a signal or a full disk in one line,
+                  checkpoints written whole and checked on --resume
     search_health.py  per-step health of search and groups: answer in passages, unique queries,
                   tied groups, correct/incorrect pairs sharing the first search
     token_view.py the token-level view of a step (views/*.html, *.jsonl) and its index page

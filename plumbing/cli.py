@@ -167,12 +167,8 @@ def check_config(cfg, choices: dict[str, tuple[str, ...]]) -> None:
         raise ValueError(f"mini-batch-size {cfg.mini_batch_size} must divide prompts-per-step x group-size = {batch}")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max-prompt-tokens {cfg.max_prompt_tokens} must be below max-context {cfg.max_context}")
-    try:
-        weight = math.inf if cfg.answer_weight == "adaptive" else float(cfg.answer_weight)
-    except ValueError:
-        weight = math.nan
-    if not weight >= 0 or (math.isinf(weight) and cfg.answer_weight != "adaptive"):
-        raise ValueError(f"--answer-weight must be a finite number >= 0 or 'adaptive', not {cfg.answer_weight!r}")
+    if not cfg.answer_coef >= 0:
+        raise ValueError(f"--answer-coef must be a number >= 0 or inf (no LLDS-MA), not {cfg.answer_coef!r}")
     import torch
 
     from plumbing.report import check_report_to

@@ -324,6 +324,9 @@ class PrefixStore:
                      if leaf.grad is not None and leaf.grad.any()]
             if pairs:
                 torch.autograd.backward(*zip(*pairs))
+
+    def close(self) -> None:
+        """Drop the prefixes and any graph still pending; a later use is refused."""
         self.graphs, self.prefixes, self.closed = [], {}, True
 
 
@@ -369,14 +372,19 @@ def prefix_once(model, input_ids, attention_mask, enabled: bool = True):
     plain forward (tested), in about half the time of a few-shot CPU demo's forward and backward.
     With grad, each backward inside the context stops at the prefix's outputs, and leaving the
     context runs the prefix's own backward once with the gradient they collected, so the context
-    closes before the optimizer step. enabled=False (gradient checkpointing, under which HF keeps
-    no cache in training) yields `model` itself: every pass of a run must take the same path."""
+    closes before the optimizer step. An exception inside the context closes the store without that
+    backward, dropping its graph: the caller zeroes the gradients before it steps again. enabled=False
+    (gradient checkpointing, under which HF keeps no cache in training) yields `model` itself: every
+    pass of a run must take the same path."""
     if not enabled:
         yield model
         return
     store = PrefixStore(input_ids, attention_mask)
-    yield _SharedPrefixModel(model, store)
-    store.backward()
+    try:
+        yield _SharedPrefixModel(model, store)
+        store.backward()
+    finally:
+        store.close()
 
 
 def in_checkpointed_chunks(rows: int = 1024):

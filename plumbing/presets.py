@@ -4,8 +4,9 @@ or 141 GB card; and the LLD lab's RL settings (experiments/lab/prereg.md).
 
 `--preset paper` is the LLDS paper's setting (section 4: Qwen2.5-3B-Instruct, NQ + HotpotQA, the E5
 retriever as a server, 512 prompts x 5 a step), run on one device: about 4 weeks on one H100 (the
-plan's estimate). `--preset one-gpu-<size>-<card>` keeps every algorithm setting of it (the
-search-r1 prompt, 3 searches of top-3 passages, 500-token turns and observations, T = 1, lr 1e-6,
+plan's estimate). Where it still differs from the authors' code: docs/method.md's table. `--preset one-gpu-<size>-<card>` keeps every algorithm setting of it (the
+search-r1 prompt, 3 searches of top-3 passages, 500-token turns and observations, T = 1 with
+top-p 0.95 (the authors' rollout setting), lr 1e-6,
 warm-up 0.285, clip 0.2, KL and entropy 0.001, LLDS lambda 0.2 with the action gate, 10 updates a
 step) on 64 prompts x 5 a step, with:
 - max_prompt_tokens 512: Search-R1's prompts are ~180 Qwen tokens, and the bound sets the plan;
@@ -19,7 +20,7 @@ PAPER = dict(
     model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
     eval_data="data/nq_hotpotqa_train/test.parquet", retriever="http://127.0.0.1:8000/retrieve", template="search-r1",
     max_turns=3, topk=3, max_turn_tokens=500, max_obs_tokens=500, max_prompt_tokens=2048, max_context=4096,
-    temperature=1.0, steps=1005, prompts_per_step=512, group_size=5, drop_tied_groups=0, mini_batch_size=256,
+    temperature=1.0, top_p=0.95, steps=1005, prompts_per_step=512, group_size=5, drop_tied_groups=0, mini_batch_size=256,
     micro_batch_size=4, lr=1e-6, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2,
     llds_gate="action", eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128,
     grad_checkpointing=True)

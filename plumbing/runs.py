@@ -1,8 +1,7 @@
 """Run folders: what train.py's setup() prepares (Run), checkpoints (atomic, resumable) and the
 model folder eval.py finds in them, RNG state, the metrics log, sample trajectories, the prompt
 sampler, a micro-batch's rows, the step's means of its micro-batch metrics and its timing, the
-spiral monitor and its shared-first-search count, the one-line exit of a user error. Nothing here
-changes what is computed."""
+one-line exit of a user error. Nothing here changes what is computed."""
 import contextlib
 import errno
 import json
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from plumbing.memory import release_memory
 
@@ -548,59 +546,6 @@ def postfix(m: dict) -> dict:
             "disp_c": fmt(m["lld/displacement_correct"]), "gnorm": fmt(m["grad_norm"]),
             "llds": fmt(m["llds/loss"]), "ent": fmt(m["entropy"]), "search": fmt(m["searches"]),
             "step_s": f"{m['timing/step']:.0f}"}
-
-
-class SpiralMonitor:
-    """Warns when the death-spiral pattern shows: the log-likelihood of correct responses falls
-    `window` steps in a row (phase II of the paper's figure 2), or the gradient norm jumps above
-    `factor` x its running median (phase III). And when the signal dries up: every group tied
-    (frac_reward_zero_std = 1) `window` steps in a row, or the retrieved passages holding the answer
-    less often `window` steps in a row (search/answer_in_passages: searching, not reading, failing)."""
-
-    def __init__(self, window: int, factor: float, history: dict | None = None):
-        self.window, self.factor = window, factor
-        self.history = {"logp_correct": [], "grad_norm": [], "tied": [], "answer_in_passages": [], **(history or {})}
-
-    def _run(self, key: str, value, kept) -> list | None:
-        """Append value (unless None) to history[key]; its last window + 1 values when they all satisfy kept(a, b)."""
-        if value is None:
-            return None
-        values = self.history[key]
-        values.append(value)
-        recent = values[-(self.window + 1):]
-        return recent if len(recent) == self.window + 1 and all(kept(a, b) for a, b in zip(recent, recent[1:])) else None
-
-    def warn(self, step: int, metrics: dict) -> int:
-        """check(), printing each warning above the progress bar; 1 if there was one, else 0."""
-        warnings = self.check(step, metrics)
-        for text in warnings:
-            tqdm.write("LLD WARNING " + text)
-        return int(bool(warnings))
-
-    def check(self, step: int, metrics: dict) -> list[str]:
-        warnings, norms = [], self.history["grad_norm"]
-        if recent := self._run("logp_correct", metrics.get("lld/logp_correct"), lambda a, b: b < a):
-            warnings.append(
-                f"step {step}: mean log-likelihood of correct responses fell {self.window} steps "
-                f"in a row ({recent[0]:.3f} -> {recent[-1]:.3f}); lazy likelihood displacement, "
-                "the first sign of a GRPO collapse (keep LLDS on, or raise --llds-lambda)")
-        if self._run("tied", metrics.get("frac_reward_zero_std"), lambda a, b: a == b == 1.0):
-            warnings.append(f"step {step}: every group's rewards tied {self.window + 1} steps in a row: no GRPO "
-                            "gradient (AdamW momentum still moves the policy; --drop-tied-groups redraws such prompts)")
-        if recent := self._run("answer_in_passages", metrics.get("search/answer_in_passages"), lambda a, b: b < a):
-            warnings.append(f"step {step}: passages holding the answer fell {self.window} steps in a row "
-                            f"({recent[0]:.2f} -> {recent[-1]:.2f}): the policy is searching worse")
-        norm = metrics.get("grad_norm_max")
-        if norm is not None:
-            if not math.isfinite(norm):
-                warnings.append(f"step {step}: gradient norm {norm}; the update was skipped (skipped_steps)")
-            elif len(norms) >= 5 and norm > self.factor * statistics.median(norms[-50:]):
-                warnings.append(
-                    f"step {step}: gradient norm {norm:.3g} is above {self.factor:g} x its running median "
-                    f"{statistics.median(norms[-50:]):.3g}; with rising entropy this is the collapse phase")
-            if math.isfinite(norm):
-                norms.append(norm)
-        return warnings
 
 
 def cpu_model() -> str:

@@ -218,7 +218,8 @@ def test_tool_results_never_get_the_penalty_and_the_answer_after_them_gets_its_w
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Question: {q}"}] for q in questions]})
     trainer = SearchesFirst(model=tiny_trl.tiny_model(tokenizer), reward_funcs=search_reward,
                             args=tiny_trl.config(tmp_path, max_completion_length=400), train_dataset=dataset,
-                            processing_class=tokenizer, tools=[search_tool()], llds_answer_weight="adaptive")
+                            processing_class=tokenizer, tools=[search_tool()], llds_answer_coef=0.1,
+                            llds_answer_adaptive=True)
     trainer.train()
 
     assert len(trainer.records) == 8
@@ -236,9 +237,10 @@ def test_tool_results_never_get_the_penalty_and_the_answer_after_them_gets_its_w
     assert any(r["grad"].any() for r in trainer.records)                      # LLDS did act (on model tokens)
     assert any(r["careless_grad"][(r["tool_mask"] == 0) & (r["completion_mask"] == 1)].any()
                for r in trainer.records)                                      # ...and tool tokens had lost likelihood
-    # LLDS-MA's adaptive weight: one call per completion, half of them failed -> V = 0.5, beta = 0.25.
+    # LLDS-MA's adaptive weight: one call per completion, half of them failed -> V = 0.5, and the
+    # authors' min(0.1 x max(V - 1, 0), lambda) is 0 (the paper's min(V / 2, 1) would give 0.25).
     logs = [l for l in trainer.state.log_history if "llds/answer_weight" in l]
-    assert [l["llds/answer_weight"] for l in logs] == [0.25] * 4
+    assert [l["llds/answer_weight"] for l in logs] == [0.0] * 4
     assert [l["tools/call_frequency"] for l in logs if "tools/call_frequency" in l] == [1.0, 1.0]
 
 
@@ -286,10 +288,10 @@ def test_one_update_per_generation_batch_is_an_error(tmp_path):
     build(gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2)   # 2 updates per batch
     with pytest.raises(ValueError, match="llds_gate"):
         LLDSGRPOTrainer(model=None, llds_gate="turn")
-    with pytest.raises(ValueError, match="'adaptive' counts tool calls"):
+    with pytest.raises(ValueError, match="llds_answer_adaptive counts tool calls"):
         LLDSGRPOTrainer(model=tiny_trl.tiny_model(tokenizer), reward_funcs=tiny_trl.length_reward,
                         args=tiny_trl.config(tmp_path), train_dataset=tiny_trl.prompts(8),
-                        processing_class=tokenizer, llds_answer_weight="adaptive")
+                        processing_class=tokenizer, llds_answer_adaptive=True)
 
 
 def test_dropout_is_switched_off_so_llds_compares_like_with_like(tmp_path):

@@ -1,0 +1,110 @@
+"""The death-spiral warning (spiral.py): hand-made runs, a resumed history, and the replay of the
+committed runs (experiments/lld_study/spiral_replay.py) through the same class."""
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from experiments.lld_study import spiral_replay
+from spiral import SpiralMonitor, lost_nats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def feed(monitor, rewards, displacements, start=1):
+    """The step numbers at which the monitor warns, fed one (reward, displacement) per step."""
+    return [step for step, (r, d) in enumerate(zip(rewards, displacements), start)
+            if monitor.check(step, {"reward": r, "lld/displacement_correct": d})]
+
+
+# A spiral in miniature: reward rises to a 0.5 plateau (best 5-step mean 0.5, steps 3-9), the
+# correct responses lose 2 nats a step from step 8, and reward falls from step 10.
+SPIRAL_REWARDS = [0.1, 0.3, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3, 0.2, 0.1, 0.0, 0.0]
+SPIRAL_DISPLACEMENTS = [1.0, 1.0, 0.5, 0.5, None, 0.5, 0.0] + [-2.0] * 5 + [None, None]
+
+
+def test_a_spiral_warns_when_the_lost_likelihood_meets_a_falling_reward():
+    monitor = SpiralMonitor(window=5, nats=5.0)
+    warnings = [monitor.check(s, {"reward": r, "lld/displacement_correct": d})
+                for s, (r, d) in enumerate(zip(SPIRAL_REWARDS, SPIRAL_DISPLACEMENTS), 1)]
+    # step 11 has lost 8 nats over steps 7-11, but its mean reward 0.40 is not below 0.7 x 0.5;
+    # step 12: 10 nats over steps 8-12, mean reward 0.32
+    assert [s for s, w in enumerate(warnings, 1) if w] == [12, 13, 14]
+    assert "lost 10.0 nats" in warnings[11][0] and "fell to 0.320 (best 0.500)" in warnings[11][0]
+
+
+def test_losing_likelihood_while_reward_rises_is_not_a_warning():
+    # what plain GRPO's seeds 2-4 did in the study: displaced every step, and went on learning
+    rewards = [min(0.05 * s, 0.8) for s in range(1, 41)]
+    assert feed(SpiralMonitor(), rewards, [-3.0] * 40) == []
+
+
+def noisy_flat_run(dip_at: int, loss_at: int) -> tuple[list, list]:
+    """300 steps on a plateau: reward as noisy as a batch of ~100 episodes, the correct
+    responses' displacement 1.5 nats either way a step (a step in ten without a correct one);
+    then reward dips to 0.1 for 5 steps from `dip_at`, and the correct responses lose 3 nats a
+    step for 5 steps from `loss_at`."""
+    rng = random.Random(0)
+    rewards = [min(max(rng.gauss(0.4, 0.05), 0.0), 1.0) for _ in range(300)]
+    displacements = [rng.gauss(0.0, 1.5) if rng.random() < 0.9 else None for _ in range(300)]
+    rewards[dip_at - 1:dip_at + 4] = [0.1] * 5
+    displacements[loss_at - 1:loss_at + 4] = [-3.0] * 5
+    return rewards, displacements
+
+
+def test_a_noisy_flat_run_warns_only_where_a_loss_meets_a_dip():
+    assert feed(SpiralMonitor(), *noisy_flat_run(dip_at=100, loss_at=200)) == []
+    assert feed(SpiralMonitor(), *noisy_flat_run(dip_at=200, loss_at=200))[0] == 202
+
+
+@pytest.mark.parametrize("norm", [math.nan, math.inf])
+def test_a_non_finite_gradient_norm_is_reported_at_once(norm):
+    warnings = SpiralMonitor().check(1, {"grad_norm_max": norm})
+    assert len(warnings) == 1 and str(norm) in warnings[0] and "skipped" in warnings[0]
+
+
+def test_the_displacement_is_read_in_one_place():
+    # logged as after - before: -3 means the correct responses lost 3 nats; None: none sampled
+    assert lost_nats({"lld/displacement_correct": -3.0}) == 3.0
+    assert lost_nats({"lld/displacement_correct": None}) == lost_nats({}) == 0.0
+
+
+def test_a_resumed_monitor_warns_where_an_unbroken_one_does():
+    first = SpiralMonitor()
+    assert feed(first, SPIRAL_REWARDS[:8], SPIRAL_DISPLACEMENTS[:8]) == []
+    saved = json.loads(json.dumps(first.history))             # as state.json stores it
+    resumed = SpiralMonitor(history=saved)
+    assert feed(resumed, SPIRAL_REWARDS[8:], SPIRAL_DISPLACEMENTS[8:], start=9) == [12, 13, 14]
+
+
+def test_an_old_checkpoints_history_loads_and_the_rule_starts_afresh():
+    old = {"logp_correct": [-0.1, -0.2], "grad_norm": [1.0, 2.0], "tied": [1.0],
+           "answer_in_passages": [0.9]}
+    monitor = SpiralMonitor(5, 5.0, old)
+    assert monitor.history == {"lost": [], "reward": [], "best": None}
+    assert feed(monitor, SPIRAL_REWARDS, SPIRAL_DISPLACEMENTS) == [12, 13, 14]
+
+
+def test_the_committed_runs_replayed():
+    rows = {r["run"]: r for r in spiral_replay.replay(
+        ROOT / "experiments/lld_study/compare", ROOT / "experiments/lab/pilot")}
+    assert len(rows) == 20 + 48
+    # plain GRPO seeds 6 and 8 learned, then fell to zero reward: warned at least a step before
+    for run in ("compare-grpo-s6", "compare-grpo-s8"):
+        assert rows[run]["breakdown"] == 13 and rows[run]["warning"] <= 12
+    design = [r for r in rows.values() if r["design"]]
+    held_out = [r for r in rows.values() if not r["design"]]
+    # the counts experiments/lld_study/README.md gives
+    assert spiral_replay.counts(design) == "warned before breakdown 2/5, false alarms 0/25"
+    assert spiral_replay.counts(held_out) == "warned before breakdown 0/3, false alarms 0/35"
+
+
+def test_the_replay_prints_one_line_per_run(capsys):
+    spiral_replay.main([str(ROOT / "experiments/lld_study/compare"),
+                        str(ROOT / "experiments/lab/pilot")])
+    lines = capsys.readouterr().out.splitlines()
+    assert "warning compare-grpo-s6: first 11, breakdown 13" in lines
+    assert "warning lab-lr1e-5-u4-grpo-s1000: first none, breakdown none" in lines
+    assert sum(l.startswith("warning ") for l in lines) == 68

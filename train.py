@@ -36,7 +36,8 @@ from llds import GATES, REDUCTIONS, action_ids, answer_weight, llds_loss, preser
 from plumbing import fast_hf, memory, memory_plan, report, runs, token_view
 from plumbing.cli import check_config, flag, parse_train_args
 from plumbing.dynamic_sampling import replace_rows
-from plumbing.models import load_policy, place_for_training, reference_copy, reference_in_bf16
+from plumbing.models import (AdapterOff, frozen_in_bf16, load_policy, place_for_training,
+                              reference_copy, with_lora)
 from plumbing.plots import plot_runs
 from plumbing.presets import PRESETS
 from plumbing.runs import micro_batch, shuffle_into_minibatches
@@ -57,6 +58,10 @@ class Config:
     device: str = flag("auto", "auto (cuda if available), cuda or cpu", "choice")
     bf16: bool = flag(True, "bf16 autocast (fp32 weights) where the device has bf16 units")
     grad_checkpointing: bool = flag(False, "recompute activations in backward (GPU memory)")
+    lora_rank: int = flag(0, "LoRA (peft) rank on every attention and MLP linear layer; 0 = full "
+                          "fine-tuning. LoRA wants about 10x full fine-tuning's --lr", ">= 0")
+    lora_alpha: float = flag(32.0, "LoRA's alpha: the adapter's update is scaled by alpha / rank",
+                             "> 0")
     # data and search
     data: str = flag("toy_nq", "questions: a toy kind, a .jsonl/.parquet file or a folder", "any")
     eval_data: str = flag("", "held-out questions; '' = the test split of --data", "any")
@@ -194,8 +199,8 @@ def head_logprobs(lm_head, hidden, targets, temperature):
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature):
     """log pi(token_t | tokens_<t) and the entropy of pi before token t, at the sampling
     temperature, on model tokens only: (B, T) ids and masks -> two (B, T) float32, 0 elsewhere."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              use_cache=False).last_hidden_state                 # (B, T, H)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state              # (B, T, H)
     # The hidden state at t predicts token t + 1; only the model's own tokens are scored.
     scored = loss_mask[:, 1:].bool()                                             # (B, T-1)
     targets = input_ids[:, 1:][scored]                                           # (N,)
@@ -418,6 +423,8 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     memory.configure_allocator(device)        # process-wide, once, before the first allocation
     if model is None:
         model, tokenizer = load_policy(cfg.model or None)
+    if cfg.lora_rank:   # LoRA: adapters on every linear layer train; the base stays frozen
+        model = with_lora(model, cfg.lora_rank, cfg.lora_alpha)
     fast_hf.use_fast_attention(model)   # this model's attention (and its reference copy's) only
     train_records, eval_records, prompts = questions(cfg, tokenizer)
     memory_plan.check(cfg, device, model, prompts)   # stops here, naming the flag, if it cannot fit
@@ -427,10 +434,12 @@ def setup(cfg: Config, model=None, tokenizer=None) -> runs.Run:
     corpus = data.corpus_for([cfg.data], cfg.retriever, cfg.corpus)
     search_engine = retriever.open_retriever(cfg.retriever, corpus=corpus, index=cfg.index or None,
                                              timeout=cfg.retriever_timeout)
-    # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume.
-    ref = (reference_copy(model, reference_in_bf16(device, cfg.bf16)).to(device)
-           if cfg.kl_coef > 0 else None)
-    place_for_training(model, device, cfg.grad_checkpointing)
+    # The frozen initial policy of the k3 KL term (none when kl_coef is 0), before a resume: a
+    # copy, or with LoRA the same model with its adapter off.
+    bf16_frozen = frozen_in_bf16(device, cfg.bf16)
+    ref = (None if cfg.kl_coef == 0 else AdapterOff(model) if cfg.lora_rank
+           else reference_copy(model, bf16_frozen).to(device))
+    place_for_training(model, device, cfg.grad_checkpointing, bf16_frozen and cfg.lora_rank > 0)
     return runs.Run(device=device, dir=run_dir, ref=ref, model=model, tokenizer=tokenizer,
                     train_records=train_records, eval_records=eval_records, retriever=search_engine,
                     optimizer=runs.adamw(model.parameters(), cfg.lr, cfg.weight_decay, device))

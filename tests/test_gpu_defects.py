@@ -171,11 +171,11 @@ def test_the_bf16_reference_gives_kl_exactly_0_at_equal_weights(tied):
 
 def test_the_reference_is_bf16_only_on_a_gpu_computing_in_bf16(monkeypatch):
     monkeypatch.setattr(fast_hf, "bf16_supported", lambda device: device.type == "cuda")
-    assert models.reference_in_bf16(torch.device("cuda"), True)
-    assert not models.reference_in_bf16(torch.device("cuda"), False)     # --no-bf16: fp32 activations
-    assert not models.reference_in_bf16(torch.device("cpu"), True)       # a CPU keeps its exact fp32 copy
+    assert models.frozen_in_bf16(torch.device("cuda"), True)
+    assert not models.frozen_in_bf16(torch.device("cuda"), False)     # --no-bf16: fp32 activations
+    assert not models.frozen_in_bf16(torch.device("cpu"), True)       # a CPU keeps its exact fp32 copy
     monkeypatch.setattr(fast_hf, "bf16_supported", lambda device: False)  # a V100: no autocast, so no bf16 weights
-    assert not models.reference_in_bf16(torch.device("cuda"), True)
+    assert not models.frozen_in_bf16(torch.device("cuda"), True)
 
 
 @pytest.mark.parametrize("tied", [False, True])

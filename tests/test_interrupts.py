@@ -23,6 +23,7 @@ from test_train import step_lines, tiny_config
 ROOT = Path(__file__).resolve().parent.parent
 RUN = """
 import sys, dataclasses
+from math import inf
 from pathlib import Path
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch

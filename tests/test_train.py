@@ -173,7 +173,7 @@ def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
     def run(shared):
         model.zero_grad()
         with fast_hf.prefix_once(model, ids, attention, enabled=shared) as policy:
-            hidden = policy.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
+            hidden = policy.get_decoder()(input_ids=ids, attention_mask=attention).last_hidden_state
             (hidden[attention.bool()] ** 2).mean().backward()
             inside = [p.grad.clone() for p in model.base_model.parameters()]
         return hidden.detach(), [p.grad.clone() for p in model.base_model.parameters()], inside
@@ -190,7 +190,7 @@ def test_shared_prompt_prefix_gives_the_plain_forward_and_its_gradients():
     with fast_hf.prefix_once(model, ids, attention) as policy:
         pass
     with pytest.raises(RuntimeError, match="after its context closed"):
-        policy.base_model(input_ids=ids, attention_mask=attention)
+        policy.get_decoder()(input_ids=ids, attention_mask=attention)
 
 
 def test_the_prefix_runs_once_per_context_and_changes_no_number():
@@ -203,7 +203,7 @@ def test_the_prefix_runs_once_per_context_and_changes_no_number():
         lambda m, args, kw, out: calls.append(kw["input_ids"].shape), with_kwargs=True)
 
     def hidden(policy, ids):
-        return policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        return policy.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
 
     with torch.no_grad():
         alone = []
@@ -236,7 +236,7 @@ def test_an_exception_inside_prefix_once_drops_the_prefix_gradient_and_the_step_
             for i, ids in enumerate(batches):
                 if i == 1:
                     raise KeyboardInterrupt
-                hidden = policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                hidden = policy.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
                 hidden.last_hidden_state[:, 20:].pow(2).mean().backward()
                 ran.append(i)
     assert ran == [0] and policy.store.closed and policy.store.graphs == []
@@ -266,7 +266,7 @@ def test_the_prefix_with_grad_runs_once_and_gives_the_same_gradients():
         hiddens = []
         with fast_hf.prefix_once(model, rows, torch.ones_like(rows), enabled=shared) as policy:
             for ids in batches:
-                hidden = policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                hidden = policy.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
                 (hidden.last_hidden_state[:, 15:] ** 2).mean().backward()
                 hiddens.append(hidden.last_hidden_state.detach())
             if shared:
@@ -278,7 +278,7 @@ def test_the_prefix_with_grad_runs_once_and_gives_the_same_gradients():
     stored, stored_grads = mini_batch(True)
     with torch.no_grad():                       # the old-log-prob pass of the same step's rows
         with fast_hf.prefix_once(model, rows, torch.ones_like(rows)) as policy:
-            old = [policy.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            old = [policy.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
                    .last_hidden_state for ids in batches]
     for a, b, c in zip(plain, stored, old):
         assert torch.equal(b, c)                # bit for bit: both split every micro-batch at 20

@@ -48,7 +48,7 @@ compare: .venv/done
 	$(PY) experiments/lld_study/lld_study.py runs --score 200 --figure runs/compare.png
 
 # The LLD study's tables and figure, from the committed runs in experiments/lld_study/compare/; then the
-# death-spiral warning (spiral.py) replayed over them and the LLD lab's pilot runs.
+# death-spiral warning (monitor.py) replayed over them and the LLD lab's pilot runs.
 study: .venv/done
 	$(PY) experiments/lld_study/lld_study.py experiments/lld_study/compare --figure experiments/lld_study/compare.png
 	$(PY) experiments/lld_study/spiral_replay.py experiments/lld_study/compare experiments/lab/pilot

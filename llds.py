@@ -88,26 +88,6 @@ def preserving_responses(advantages, loss_mask):
     return (_response_advantage(advantages, valid, n_tok) >= 0) & (n_tok > 0)
 
 
-def _gate(gate, d, valid, preserving, starts):
-    """Which tokens may pay, and how many actions have an open gate (for the stats): d (B, T)
-    float32, 0 off the mask; valid, starts (B, T) bool; preserving (B,) bool -> ((B, T) bool, n)."""
-    if gate == "token":
-        open_ = valid & preserving[:, None]
-        return open_, (starts.sum(dim=1) * preserving).sum()
-    if gate == "response":
-        on = preserving & (d.sum(dim=1) > 0)
-        return valid & on[:, None], (starts.sum(dim=1) * on).sum()
-    # Number the actions of preserving responses 1..N across the whole batch (0 = everything
-    # else), sum d per action with one index_add, and look the gate back up per token.
-    keep = valid & preserving[:, None]
-    ids = starts.flatten().cumsum(dim=0).view_as(d) * keep
-    n_actions = int(starts.sum())
-    sums = d.new_zeros(n_actions + 1).index_add_(0, ids.flatten(), d.flatten())
-    on = sums > 0
-    on[0] = False
-    return on[ids], on.sum()
-
-
 def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
               answer_mask=None, answer_weight=1.0, reduction="token-mean", denominator=None):
     """LLDS penalty (without lambda; the caller adds `lam * loss`).
@@ -135,9 +115,23 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
     with torch.no_grad():
         d_value = torch.where(valid, d, 0.0)                     # (B, T) float32, clean, no grad
         n_tok = valid.sum(dim=1)                                 # (B,) model tokens
-        preserving = preserving_responses(advantages, loss_mask)
-        starts = _run_starts(valid)
-        open_, n_open_actions = _gate(gate, d_value, valid, preserving, starts)
+        preserving = preserving_responses(advantages, loss_mask)    # (B,) bool
+        starts = _run_starts(valid)                              # (B, T) bool: actions' first tokens
+        # The gate: which tokens may pay. "action": the actions of preserving responses numbered
+        # 1..N across the batch (0: everything else), d summed per action with one index_add, the
+        # sign looked back up per token. "response": one sum per response. "token": no gate.
+        if gate == "action":
+            ids = starts.flatten().cumsum(dim=0).view_as(d) * (valid & preserving[:, None])
+            sums = d_value.new_zeros(int(starts.sum()) + 1).index_add_(0, ids.flatten(),
+                                                                       d_value.flatten())
+            on = sums > 0
+            on[0] = False
+            open_, n_open_actions = on[ids], on.sum()
+        elif gate == "response":
+            on = preserving & (d_value.sum(dim=1) > 0)
+            open_, n_open_actions = valid & on[:, None], (starts.sum(dim=1) * on).sum()
+        else:
+            open_, n_open_actions = valid & preserving[:, None], (starts.sum(1) * preserving).sum()
         penalised = open_ & (d_value > 0)                        # (B, T) bool
 
     hinge = torch.where(penalised, d, 0.0)                       # (B, T), = max(0, d) if open

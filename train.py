@@ -10,7 +10,7 @@ Deng et al. (arXiv 2512.04220) train it with GRPO and LLDS (llds.py), one veRL s
 train_step: 1. `group_size` rollouts per question (tied groups redrawn); 2. rewards, group-relative
 advantages; 3. old log-probs (the rollout policy) of every row, reference ones when kl_coef > 0;
 4. one AdamW step per shuffled mini-batch: clipped surrogate - entropy bonus + k3 KL + lambda LLDS
-(with one update per rollout batch LLDS is 0); 5. the LLD monitor, and its warning (spiral.py).
+(with one update per rollout batch LLDS is 0); 5. the LLD monitor, and its warning (monitor.py).
 
 Simplified on purpose: one process, one device, no vLLM (rollout.py samples with the training
 model's own KV cache); fp32 master weights under bf16 autocast (bf16 weights would round away
@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import monitor
 import retriever
 import rollout
 from eval import heldout_eval
@@ -40,9 +41,6 @@ from plumbing.models import (AdapterOff, frozen_in_bf16, load_policy, place_for_
                               reference_copy, with_lora)
 from plumbing.plots import plot_runs
 from plumbing.presets import PRESETS
-from plumbing.runs import micro_batch, shuffle_into_minibatches
-from plumbing.search_health import search_health
-from spiral import SpiralMonitor
 
 # ---- Configuration -------------------------------------------------------------------------
 # Every field is a flag (--llds-lambda, --no-llds, ...): its help text, then what it accepts.
@@ -108,7 +106,7 @@ class Config:
     token_view_every: int = flag(10, "<run>/views/step_N.html every N steps and the last", ">= 0")
     samples_per_step: int = flag(4, "trajectories saved per step in <run>/samples/", ">= 0")
     spiral_nats: float = flag(5.0, "warn when correct responses lose > this in --spiral-window "
-                              "steps while mean reward < 0.7 x its best (spiral.py)", "> 0")
+                              "steps while mean reward < 0.7 x its best (monitor.py)", "> 0")
     spiral_window: int = flag(5, "steps of the LLD warning's sums and means", ">= 1")
     eval_every: int = flag(0, "held-out EM every N steps; 0 = before and after only", ">= 0")
     eval_size: int = flag(100, "held-out questions (greedy decoding); 0 = no evaluation", ">= 0")
@@ -211,6 +209,18 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature):
     return logp_full, entropy_full
 
 
+def micro_batch(batch: dict, rows, device, multiple: int | None = None) -> dict:
+    """The rows `rows` of a batch of (N, T) tensors on `device`, cut to their longest real length,
+    rounded up to a multiple of `multiple` columns (default: 128 on CUDA, fewer shapes for its
+    attention kernels; 1 elsewhere). Every pass of a step pads alike, so the masked padding changes
+    no number between passes (tested)."""
+    multiple = multiple or (128 if torch.device(device).type == "cuda" else 1)
+    longest = int(batch["attention_mask"][rows].sum(1).max())
+    length = min(-(-longest // multiple) * multiple, batch["attention_mask"].shape[1])
+    return {k: v[rows, :length].to(device) if v.dim() == 2 else v[rows].to(device)
+            for k, v in batch.items()}
+
+
 @torch.no_grad()
 def logprob_pass(model, batch, minibatches, cfg, device):
     """Log-probs and entropy of the rows of `minibatches`, micro-batch by micro-batch, as the
@@ -264,9 +274,12 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
              "loss_mask": out.loss_mask, "answer_mask": out.answer_mask,
              "advantages": group_advantages(rewards, G)}                                # (N,)
 
-    # 3. Old (rollout-policy) and reference log-probs of every row, in the update's micro-batches.
-    minibatches = shuffle_into_minibatches(out.attention_mask.sum(1), cfg.mini_batch_size,
-                                           cfg.micro_batch_size)
+    # 3. The rows shuffled into mini-batches (an optimizer step each) of micro-batches (a forward
+    #    and backward each, rows of similar length together: less padding); then the old
+    #    (rollout-policy) and reference log-probs of every row, micro-batch by micro-batch.
+    lengths = out.attention_mask.sum(1)                                                 # (N,)
+    minibatches = [list(mini[lengths[mini].argsort(stable=True)].split(cfg.micro_batch_size))
+                   for mini in torch.randperm(len(lengths)).split(cfg.mini_batch_size)]
     with phases("logprob", release=False):
         batch["old_logp"], old_entropy = logprob_pass(model, batch, minibatches, cfg,
                                                       run.device)                 # (N, T)
@@ -298,16 +311,16 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
                     logp, entropy = token_logprobs(policy, mb["input_ids"], mb["attention_mask"],
                                                    mask, cfg.temperature)
                 pg, pg_stats = policy_loss(logp, old_logp, adv, mask, cfg.clip_eps, n_tokens)
-                lld, lld_stats = llds_loss(logp, old_logp, adv, mask, gate=cfg.llds_gate,
-                                           answer_mask=mb["answer_mask"], answer_weight=beta,
-                                           reduction=cfg.llds_reduction, denominator=n_llds)
+                llds_term, llds_stats = llds_loss(logp, old_logp, adv, mask, gate=cfg.llds_gate,
+                                                  answer_mask=mb["answer_mask"], answer_weight=beta,
+                                                  reduction=cfg.llds_reduction, denominator=n_llds)
                 kl = (masked_sum(kl_k3(logp, mb["ref_logp"]), mask) / n_tokens
                       if run.ref is not None else torch.zeros(()))
                 loss = (pg - cfg.entropy_coef * masked_sum(entropy, mask) / n_tokens
-                        + cfg.kl_coef * kl + llds_lambda * lld)
+                        + cfg.kl_coef * kl + llds_lambda * llds_term)
                 loss.backward()
                 sums.update(runs.micro_metrics(float(mask.sum() / n_tokens), pg, pg_stats, kl,
-                                               lld, lld_stats))
+                                               llds_term, llds_stats))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         norms.append(norm)
         if math.isfinite(norm):     # inf/NaN cannot be clipped: stepping would poison the weights
@@ -331,14 +344,19 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
     every N steps the token view (<run>/views/), sample trajectories and the step's timing."""
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)   # (N,)
     group_ids = torch.arange(len(rewards)) // cfg.group_size                           # (N,)
-    metrics = {**rollout_stats(out, batch["old_logp"], rewards, group_ids),
-               "lld/displacement_correct": None, "lld/frac_correct_fell": None}
+    metrics = {**monitor.rollout_stats(out, batch["old_logp"], rewards, group_ids),
+               **dict.fromkeys(monitor.DISPLACEMENT)}
     view = cfg.token_view_every and (step % cfg.token_view_every == 0 or step == cfg.steps)
     if view or (cfg.displacement_every and step % cfg.displacement_every == 0):
+        # The log-probs after the step's updates: one no-grad pass over the very micro-batches
+        # that computed batch["old_logp"], so unchanged weights give exactly 0 (rows grouped
+        # otherwise would sum in another order); only those holding a correct response, or all.
+        micros = [mu for mini in minibatches for mu in mini if view or (rewards[mu] > 0).any()]
         with phases("logprob", release=False):
-            lld, change = displacement(run.model, batch, minibatches, rewards > 0, cfg, run.device,
-                                       every_row=view)
-        metrics.update(lld)
+            after = (logprob_pass(run.model, batch, [micros], cfg, run.device)[0] if micros
+                     else batch["old_logp"])                                               # (N, T)
+        lld_metrics, change = monitor.displacement(batch, after, rewards > 0)
+        metrics.update(lld_metrics)
     if view:
         with phases("view", release=False):
             token_view.write_step_view(run.dir, step, run.tokenizer, out, batch, change, group_ids,
@@ -348,58 +366,6 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
     runs.write_samples(run.dir / "samples" / f"step_{step:04d}.txt", records, out.episodes,
                        cfg.samples_per_step)
     return metrics
-
-
-def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
-    """The rollout's numbers; lld/logp_(in)correct: the mean over (in)correct responses of their
-    mean token log-likelihood."""
-    eps, mask = ro_out.episodes, ro_out.loss_mask
-    per_response = masked_mean(old_logp, mask, dim=1)                              # (N,)
-    right, wrong = (rewards > 0) & (mask.sum(1) > 0), (rewards <= 0) & (mask.sum(1) > 0)
-    n_actions = max(int(action_ids(mask).amax(dim=1).sum()), 1)
-    return {
-        "reward": rewards.mean().item(),
-        "em": statistics.fmean(e["em"] for e in eps),
-        "f1": statistics.fmean(e["f1"] for e in eps),
-        "response_length": mask.sum(1).mean().item(),
-        "searches": statistics.fmean(e["n_search"] for e in eps),
-        "valid_action_ratio": sum(e["n_valid"] for e in eps) / n_actions,
-        "finished": statistics.fmean(float(e["finished"]) for e in eps),
-        "lld/logp_correct": per_response[right].mean().item() if right.any() else None,
-        "lld/logp_incorrect": per_response[wrong].mean().item() if wrong.any() else None,
-        # frac_reward_zero_std, search/*: plumbing/search_health.py
-        **search_health(eps, rewards, group_ids, rollout.normalize_answer),
-        # the KV-cache decode's log-probs against the forward's
-        "rollout/logp_diff": masked_mean((ro_out.logp - old_logp).abs(), mask).item(),
-    }
-
-
-@torch.no_grad()
-def displacement(model, batch, minibatches, correct, cfg, device, every_row=False):
-    """Likelihood displacement of the correct responses (correct: (N,) bool) by this step's
-    updates: their summed log-prob after minus before. One no-grad pass over the very micro-batches
-    that computed batch["old_logp"], so unchanged weights give exactly 0 (rows grouped otherwise
-    would sum in another order). -> (metrics, change (N, T): after - before per model token of
-    the rows run, every row with every_row)."""
-    micros = [mu for mini in minibatches for mu in mini if every_row or correct[mu].any()]
-    after = logprob_pass(model, batch, [micros], cfg, device)[0] if micros else batch["old_logp"]
-    change = torch.where(batch["loss_mask"].bool(), after - batch["old_logp"], 0.0)   # (N, T)
-    if not correct.any():
-        return dict.fromkeys(["lld/displacement_correct", "lld/frac_correct_fell",
-                              "lld/displacement_correct_search",
-                              "lld/displacement_correct_answer"]), change
-    idx = torch.nonzero(correct).flatten()
-    delta = change[idx].sum(1)                                                     # (C,)
-    # the paper's Fig. 5: the answer action (the model turn holding <answer>) vs the turns before
-    turn = action_ids(batch["loss_mask"][idx])                                     # (C, T)
-    answer_turn = (turn * batch["answer_mask"][idx].bool()).amax(1, keepdim=True)  # (C, 1)
-    in_answer = (turn == answer_turn) & (answer_turn > 0)
-    return {"lld/displacement_correct": delta.mean().item(),
-            "lld/frac_correct_fell": (delta < 0).float().mean().item(),
-            "lld/displacement_correct_search":
-                change[idx].masked_fill(in_answer, 0.0).sum(1).mean().item(),
-            "lld/displacement_correct_answer":
-                change[idx].masked_fill(~in_answer, 0.0).sum(1).mean().item()}, change
 
 
 # ---- The loop ------------------------------------------------------------------------------
@@ -453,7 +419,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
     state = runs.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
     sampler = runs.PromptSampler(run.train_records, cfg.seed, **state["sampler"])
-    monitor = SpiralMonitor(cfg.spiral_window, cfg.spiral_nats, state["monitor"])
+    warning = monitor.SpiralMonitor(cfg.spiral_window, cfg.spiral_nats, state["monitor"])
     log = report.open_run_log(run.dir, cfg, start, run.device, len(run.eval_records))
     eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
     held_out = functools.partial(heldout_eval, run.model, run.tokenizer, run.eval_records,
@@ -472,7 +438,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
         bar.set_description_str(cfg.name, refresh=False)
         skipped += metrics["grad_norm_nonfinite"]
         metrics["skipped_steps"] = skipped
-        metrics["lld/warning"] = monitor.warn(step, metrics)       # 1 when the spiral shows
+        metrics["lld/warning"] = warning.warn(step, metrics)       # 1 when the spiral shows
         last = step == cfg.steps
         if run.eval_records and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics.update(held_out())
@@ -485,7 +451,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
             runs.save_checkpoint(run.dir, step, run.model, run.tokenizer, run.optimizer,
                                  keep=cfg.keep_ckpts, state={
                                      "sampler": sampler.state(), "skipped_steps": skipped,
-                                     "evals": evals, "monitor": monitor.history})
+                                     "evals": evals, "monitor": warning.history})
     bar.close()
     log.close()
     if cfg.save_bf16:
@@ -504,7 +470,7 @@ def main(argv=None) -> None:
         if plot:
             print(plot_runs(plot, plot_out))               # draw saved runs' curves and exit
         elif plan:
-            print(memory_plan.print_plan(cfg, runs.pick_device(cfg.device), questions))
+            print(memory_plan.print_plan(cfg, runs.pick_device(cfg.device), questions, plan))
         else:
             train(cfg)
 

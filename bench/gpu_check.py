@@ -21,7 +21,7 @@ live. The phases, each printed and written to the JSON report (--json) as soon a
    size) and two mini-batches; per phase seconds and peak memory against the memory plan, decode
    tokens/s, decode steps, occupancy, rollout/logp_diff (decode against forward; bf16 noise is
    ~0.01-0.05, a position or cache bug >= 0.1). The weights never move, so clip_ratio, ppo_kl, kl,
-   llds/loss and lld/displacement_correct must be exactly 0. Step 2 is the one to read (step 1
+   llds/loss and lld/correct_displacement must be exactly 0. Step 2 is the one to read (step 1
    includes kernel selection, autocast caches and allocator growth);
 5. passes: the largest |log-prob difference| between the passes that must agree at equal weights:
    old (no grad) vs update (grad, train mode), old vs displacement (no grad twice), old vs the
@@ -84,7 +84,7 @@ TINY = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=
             num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True,
             max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
 FALLBACK = "qwen2.5-0.5b-instruct"
-CHECKED = ("clip_ratio", "ppo_kl", "kl", "llds/loss", "lld/displacement_correct")
+CHECKED = ("clip_ratio", "ppo_kl", "kl", "llds/loss", "lld/correct_displacement")
 GIB = 2**30
 
 

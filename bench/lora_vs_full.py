@@ -1,12 +1,17 @@
 """bench/lora_vs_full.py: the CPU demo with full fine-tuning against LoRA, seed by seed, alternating.
 
-    .venv/bin/python bench/lora_vs_full.py --seeds 0 1 2 --lora-lr 5e-4 --out experiments/lora_vs_full
+    git worktree add /tmp/base <commit>; ln -s $PWD/.venv /tmp/base/.venv     # optional: --base
+    .venv/bin/python bench/lora_vs_full.py --seeds 0 1 2 --lora-lr 5e-4 --out runs/lora-vs-full \
+        [--base /tmp/base --base-seeds 0 1]
 
-For each seed, `train.py --seed S` (the demo, full fine-tuning) and then `train.py --seed S
---lora-rank 32 --lr <lora-lr>`, one run at a time, each under `/usr/bin/time -v` (peak RSS). Every
-finished run appends one JSON line to <out>/runs.jsonl (a run already there is skipped on a rerun):
-its step time and split (rollout / logprob / update, the run's own timing), peak RSS, held-out EM
-before and after with the sign test, the CPU and the load. The table over all lines is printed.
+For each seed: with --base, `train.py --seed S` at the older commit checked out there (the same
+demo, to compare this commit's step time with it); `train.py --seed S` (the demo, full
+fine-tuning; seed 0 named `demo`, as `make train` names it); `train.py --seed S --lora-rank 32 --lr
+<lora-lr>`. One run at a time, each under `/usr/bin/time -v` (peak RSS), from its checkout's
+folder (`--out-dir runs`). Every finished run appends one JSON line to <out>/runs.jsonl (a run
+already there is skipped on a rerun) and keeps its output in <out>/<name>.log: its step time and
+split (rollout / logprob / update, the run's own timing), peak RSS, held-out EM before and after
+with the sign test, the CPU and the load. The table over all lines is printed.
 """
 import argparse
 import json
@@ -26,18 +31,18 @@ EM_LINE = re.compile(r"held-out EM: before ([\d.]+) -> after ([\d.]+) \((\d+) qu
                      r"right, (\d+) turned wrong; sign test p = ([\d.e+-]+)\)")
 
 
-def one_run(arm: str, seed: int, lora_lr: float, out: Path) -> dict:
-    name = f"{arm}-s{seed}"
-    args = ["--seed", str(seed), "--name", name, "--out-dir", str(out / "runs")]
+def one_run(arm: str, seed: int, lora_lr: float, out: Path, root: Path) -> dict:
+    name = "demo" if (arm, seed) == ("full", 0) else f"{arm}-s{seed}"
+    args = ["--seed", str(seed), "--name", name, "--out-dir", "runs"]
     if arm == "lora":
         args += ["--lora-rank", "32", "--lr", str(lora_lr)]
     load_before, start = os.getloadavg()[0], time.time()
-    done = subprocess.run(["/usr/bin/time", "-v", sys.executable, "train.py", *args], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = subprocess.run(["/usr/bin/time", "-v", str(root / ".venv/bin/python"), "train.py", *args],
+                          cwd=root, capture_output=True, text=True)
     (out / f"{name}.log").write_text(done.stdout + done.stderr[-20000:])
     if done.returncode:
         raise SystemExit(f"{name} failed: {done.stderr[-2000:]}")
-    lines = [json.loads(l) for l in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(l) for l in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "reward" in l]
     em = EM_LINE.search(done.stdout)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
@@ -49,7 +54,7 @@ def one_run(arm: str, seed: int, lora_lr: float, out: Path) -> dict:
             "wrong": int(em.group(5)), "p": float(em.group(6)), "cpu": cpu_model(),
             "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(start)),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                                      capture_output=True, text=True).stdout.strip()}
 
 
@@ -69,15 +74,19 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lora-lr", type=float, default=5e-4)
     parser.add_argument("--out", type=Path, default=Path("runs/lora-vs-full"))
+    parser.add_argument("--base", type=Path, help="a checkout of an older commit (its own .venv)")
+    parser.add_argument("--base-seeds", type=int, nargs="*", default=[0, 1])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"
     done = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
     for seed in args.seeds:
-        for arm in ("full", "lora"):
+        arms = ["base"] if args.base and seed in args.base_seeds else []
+        for arm in arms + ["full", "lora"]:
             if any(r["arm"] == arm and r["seed"] == seed for r in done):
                 continue
-            row = one_run(arm, seed, args.lora_lr, args.out)
+            row = one_run(arm, seed, args.lora_lr, args.out.resolve(),
+                          args.base.resolve() if arm == "base" else ROOT)
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             done.append(row)

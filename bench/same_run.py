@@ -43,7 +43,7 @@ def main(argv=None) -> int:
                 differ.append(f"step {step} {key}: {va} != {vb}")
     for step in sorted(set(a) & set(b)):
         shown = {k: a[step][k] for k in ("reward", "pg_loss", "llds/loss", "lld/logp_correct",
-                                         "lld/displacement_correct", "eval/em") if k in a[step]}
+                                         "lld/correct_displacement", "eval/em") if k in a[step]}
         print(f"step {step}: " + ", ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in shown.items()))
     print(f"{same} values identical, {len(differ)} differ" + (":" if differ else ""))

@@ -1,6 +1,6 @@
 """plumbing: the engineering the teaching scripts call in one line, and a reader may skip.
 
-The top-level scripts (llds.py, train.py, rollout.py, retriever.py, eval.py, data.py, spiral.py)
+The top-level scripts (llds.py, train.py, rollout.py, retriever.py, eval.py, data.py, monitor.py)
 hold the method. Everything here is there to make them fast, robust or convenient, not to explain
 anything: each module says what it speeds up or takes care of.
 

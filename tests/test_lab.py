@@ -67,6 +67,6 @@ def test_the_lab_preset_trains_and_logs_what_the_analysis_reads(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2]
     assert all(0 <= l["eval/em_sampled"] <= 1 for l in lines)
-    for key in ("frac_reward_zero_std", "grad_zero", "lld/displacement_correct_search",
-                "lld/displacement_correct_answer", "grad_norm_max", "entropy"):
+    for key in ("frac_reward_zero_std", "grad_zero", "lld/correct_displacement_search",
+                "lld/correct_displacement_answer", "grad_norm_max", "entropy"):
         assert key in lines[1] and key in lines[2]

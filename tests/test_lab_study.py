@@ -9,8 +9,10 @@ from experiments.lab.lab_runs import lab_cell
 
 
 def write_run(folder, rewards, evals, seed=1000, llds=False, steps=None, updates=4, lr=1e-5,
-              displacement=None, entropy=None):
-    """A run folder as train.py writes it: step 0's eval line, one line per step, evals merged in."""
+              displacement=None, entropy=None, old_names=False):
+    """A run folder as train.py writes it: step 0's eval line, one line per step, evals merged in.
+    `displacement` in d's sign (> 0: lost); old_names writes it as the committed pilot runs logged
+    it, `lld/displacement_correct` = after - before."""
     run = folder / f"{'llds' if llds else 'grpo'}-s{seed}"
     run.mkdir(parents=True)
     ems = dict(evals)
@@ -18,7 +20,11 @@ def write_run(folder, rewards, evals, seed=1000, llds=False, steps=None, updates
     for s, r in enumerate(rewards, start=1):
         lines.append({"step": s, "reward": r, "entropy": 1.0 if entropy is None else entropy[s - 1],
                       "grad_norm": 1.0, "grad_norm_max": 1.0, "frac_reward_zero_std": 0.5, "grad_zero": 0,
-                      "lld/displacement_correct": None if displacement is None else displacement[s - 1]})
+                      "lld/correct_displacement": None if displacement is None
+                      else displacement[s - 1]})
+        if old_names:
+            d = lines[-1].pop("lld/correct_displacement")
+            lines[-1]["lld/displacement_correct"] = None if d is None else -d
         if s in ems:
             lines[-1]["eval/em_sampled"] = ems[s]
     (run / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
@@ -67,14 +73,19 @@ def test_no_collapse_when_reward_recovers_or_em_holds_or_nothing_was_learned(tmp
 
 
 def test_phases_around_a_collapse(tmp_path):
-    displacement = [0.5] * 14 + [-1.0] * 31 + [0.5] * 55    # negative on steps 15-45 = s* - 40 .. s* - 10
+    displacement = [-0.5] * 14 + [1.0] * 31 + [-0.5] * 55  # lost on steps 15-45: s* - 40 .. s* - 10
     entropy = [1.0] * 49 + [2.0] * 51                       # 2x its minimum from step 50 = s* - 5
     run = lab_study.read_run(write_run(tmp_path, rise_then_fall(), EM_FELL, displacement=displacement,
                                        entropy=entropy))
     assert lab_study.phases(run, 55) == {"phase2": True, "phase3": True}
-    flat = lab_study.read_run(write_run(tmp_path / "flat", rise_then_fall(), EM_FELL, displacement=[0.5] * 100))
+    flat = lab_study.read_run(write_run(tmp_path / "flat", rise_then_fall(), EM_FELL,
+                                        displacement=[-0.5] * 100))
     assert lab_study.phases(flat, 55) == {"phase2": False, "phase3": False}
-    assert lab_study.run_summary(run)["disp_neg"] == -31.0
+    assert lab_study.run_summary(run)["disp_lost"] == 31.0
+    old = lab_study.read_run(write_run(tmp_path / "old", rise_then_fall(), EM_FELL,
+                                       displacement=displacement, entropy=entropy, old_names=True))
+    assert np.array_equal(old["displacement"], run["displacement"])   # today's name and sign
+    assert lab_study.run_summary(old) == lab_study.run_summary(run)
 
 
 def test_mcnemar_exact_p_by_hand():
@@ -125,27 +136,29 @@ def test_pilot_says_plainly_when_no_cell_qualifies(tmp_path, capsys):
 
 
 def test_what_the_pilot_runs_did_by_hand(tmp_path, capsys):
-    """Rewards 0.25 x 20, 1.0 x 30, 0 x 100: R10(10) = 0.25, peak 1.0; EM 0.2 at step 0, 0.1 at the end; the
-    displacement -0.5 on steps 1-4 and +1 after: its negative part sums to -2; entropy 0.3 over the last 10 steps."""
+    """Rewards 0.25 x 20, 1.0 x 30, 0 x 100: R10(10) = 0.25, peak 1.0; EM 0.2 at step 0, 0.1 at
+    the end; the displacement 0.5 on steps 1-4 (lost) and -1 after: its positive part sums to 2;
+    entropy 0.3 over the last 10 steps."""
     entropy = [1.0] * 140 + [0.3] * 10
     write_run(tmp_path / "lr1e-05-u4", rise_then_fall(50, 150), [(0, 0.2), (100, 0.6), (150, 0.1)],
-              displacement=[-0.5] * 4 + [1.0] * 146, entropy=entropy)
+              displacement=[0.5] * 4 + [-1.0] * 146, entropy=entropy)
     run = lab_study.read_run(tmp_path / "lr1e-05-u4" / "grpo-s1000")
     assert lab_study.pilot_measures(run) == pytest.approx(
-        dict(zip(lab_study.MEASURES, (0.25, 1.0, 0.2, 0.1, -2.0, 0.3))))
+        dict(zip(lab_study.MEASURES, (0.25, 1.0, 0.2, 0.1, 2.0, 0.3))))
     write_run(tmp_path / "lr1e-05-u4", [0.5] * 150, [(0, 0.4), (150, 0.5)], seed=1001)
     assert lab_study.main(["pilot", str(tmp_path)]) == 0
-    assert ("| lr1e-05-u4 | 0.25 to 0.50 | 0.50 to 1.00 | 0.20 to 0.40 | 0.10 to 0.50 | -2.000 to 0.000 | "
-            "0.300 to 1.000 |") in capsys.readouterr().out
+    assert ("| lr1e-05-u4 | 0.25 to 0.50 | 0.50 to 1.00 | 0.20 to 0.40 | 0.10 to 0.50 | "
+            "0.000 to 2.000 | 0.300 to 1.000 |") in capsys.readouterr().out
 
 
 def write_study(folder, grpo_collapses, llds_collapses, llds_displaced=False):
-    """One pair per (GRPO collapses?, LLDS collapses?); GRPO displaces its correct responses by -1 a step."""
+    """One pair per (GRPO collapses?, LLDS collapses?); GRPO's correct responses lose 1 nat a step
+    (d = 1)."""
     for seed, pair in enumerate(zip(grpo_collapses, llds_collapses)):
         for llds, falls in zip((False, True), pair):
             rewards = rise_then_fall() if falls else [0.25] * 20 + [1.0] * 80
             write_run(folder, rewards, EM_FELL if falls else EM_HELD, seed=seed, llds=llds,
-                      displacement=[0.0 if llds and not llds_displaced else -1.0] * 100)
+                      displacement=[0.0 if llds and not llds_displaced else 1.0] * 100)
 
 
 def verdict(folder):
@@ -162,9 +175,9 @@ def test_study_verdicts(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "discordant pairs 6 only GRPO / 0 only LLDS, exact McNemar p = 0.03125." in out
     assert "paired LLDS - GRPO +0.300 [+0.300, +0.300] over 6 pairs." in out
-    assert ("summed negative displacement LLDS - GRPO +100.00 [+100.00, +100.00] nats: passed. "
+    assert ("summed positive displacement LLDS - GRPO -100.00 [-100.00, -100.00] nats: passed. "
             "**Verdict: LLDS helps**.") in out
-    assert "| plain GRPO | 0 | 55 | 0.100 | 0.600 | -100.00 | yes / no |" in out
+    assert "| plain GRPO | 0 | 55 | 0.100 | 0.600 | 100.00 | yes / no |" in out
     mixed = verdict(tmp_path / "mixed")
     assert (mixed["b"], mixed["c"], mixed["p"], mixed["verdict"]) == (5, 1, 0.21875, "no difference shown")
     assert verdict(tmp_path / "hurts")["verdict"] == "LLDS hurts"

@@ -80,7 +80,7 @@ def test_lr_0_gives_exactly_0_on_every_path(tmp_path, alternating_rewards, monke
     line = step_lines(tmp_path / "run")[0]
     assert line["clip_ratio"] == 0 and line["ppo_kl"] == 0
     assert line["llds/active_token_frac"] == 0 and line["llds/loss"] == 0
-    assert line["lld/displacement_correct"] == 0 and line["lld/frac_correct_fell"] == 0
+    assert line["lld/correct_displacement"] == 0 and line["lld/correct_frac_lost"] == 0
     assert (line["kl"] > 0) if lively else (line["kl"] == 0)
 
 

@@ -1,10 +1,13 @@
 """The memory plan (plumbing/memory_plan.py) by hand arithmetic and independent recomputation:
 Qwen2.5's parameter counts from their configs (bench/configs/), the KV cache of the paper preset,
-and a run that cannot fit stopping at once in one line that names the flag to change; on a CPU,
-bf16 matmuls of new shapes that stop adding memory the plan does not count."""
+and a run that cannot fit stopping at once in one line that names the flag to change; LoRA's rows
+against peft's adapter count and what autograd keeps; each one-GPU preset against its card, also
+planned without a GPU or the model; on a CPU, bf16 matmuls of new shapes that stop adding memory
+the plan does not count."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import train
 from conftest import tiny_policy
-from plumbing import memory_plan
+from plumbing import fast_hf, memory_plan, models
 from test_train import tiny_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "bench" / "configs"
@@ -95,6 +98,79 @@ def test_the_cpu_path_by_hand_with_real_prompts_and_a_shared_prefix():
     assert rows["update total"] == 4 * shape.parameters() + rows["update: activations"] + 4 * 3 * 32 * 300 * 4 * 5
 
 
+def test_lora_counts_the_adapters_peft_trains_and_the_frozen_base_once():
+    model, _ = tiny_policy(tie_word_embeddings=True)
+    shape = memory_plan.Shape.of(model.config)
+    lora = models.with_lora(model, 4, 8.0)
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    # r x (in + out) on q, k, v, o, gate, up, down of each layer, nothing else: peft's exact count
+    h, kv, i = shape.hidden, shape.kv, shape.intermediate
+    assert adapters == shape.lora_parameters(4) == shape.layers * 4 * (9 * h + 2 * kv + 3 * i)
+    assert sum(p.numel() for p in lora.parameters()) == shape.parameters() + adapters
+    p, lin = shape.parameters(), shape.linear_only()
+    cfg = train.Config(lora_rank=4, kl_coef=0.001, micro_batch_size=2)
+    full = memory_plan.plan(shape, dataclasses.replace(cfg, lora_rank=0), cuda=False, bf16=False)
+    cpu = memory_plan.plan(shape, cfg, cuda=False, bf16=False)
+    # only the adapters train: their fp32 weights, moments, gradients, the CPU's AdamW transient
+    # and the checkpoint scale with them; the base is held once, fp32 on a CPU, and is the
+    # reference (no copy with kl_coef > 0)
+    assert (cpu["weights (fp32)"], cpu["AdamW moments"], cpu["update: gradients"],
+            cpu["update: AdamW step transient"], cpu["checkpoint on disk"]) == \
+        (4 * adapters, 8 * adapters, 4 * adapters, 4 * adapters, 12 * adapters)
+    assert (cpu["frozen base (LoRA)"], cpu["reference model"]) == (4 * p, 0)
+    assert (full["frozen base (LoRA)"], full["reference model"], full["AdamW moments"]) == \
+        (0, 4 * p, 8 * p)
+    assert cpu["rollout total"] == full["rollout total"]             # the rollout does not change
+    # a GPU under bf16: the base's linear weights in bf16 (the tied head is the fp32 embedding,
+    # which autocast casts as it casts the adapters); a CPU under bf16 casts the whole base
+    gpu = memory_plan.plan(shape, cfg, cuda=True, bf16=True)
+    assert gpu["frozen base (LoRA)"] == 2 * lin + 4 * (p - lin)
+    assert gpu["autocast bf16 weights"] == 2 * (adapters + shape.vocab * h)
+    assert memory_plan.plan(shape, cfg, cuda=False, bf16=True)["autocast bf16 weights"] == \
+        2 * (adapters + lin + shape.vocab * h)
+
+
+def saved_bytes_per_token_and_layer(rank: int, bf16: bool) -> float:
+    """What autograd keeps in a tiny Qwen2's forward, per token and layer: the difference between
+    3 and 2 layers and 512 and 256 tokens leaves out the embedding, the final norm and whatever
+    does not grow with tokens (the weights' bf16 casts)."""
+    def kept(layers, tokens):
+        model, _ = tiny_policy(num_hidden_layers=layers)
+        model = models.with_lora(model, rank, 8.0) if rank else model
+        fast_hf.use_fast_attention(model)
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        ids = torch.randint(0, 200, (1, tokens))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in weights)
+    return (kept(3, 512) - kept(2, 512) - kept(3, 256) + kept(2, 256)) / 256
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_lora_changes_the_activations_by_what_autograd_keeps(bf16, one_thread):
+    # The plan's per-token, per-layer activations with LoRA differ from full fine-tuning's by what
+    # saved-tensor hooks see autograd keep: the norms' normalised inputs no longer, B's rank-r
+    # inputs, and under autocast A's bf16 copy of o's input.
+    model, _ = tiny_policy()
+    shape, rank, s = memory_plan.Shape.of(model.config), 8, 64
+    cfg = train.Config(max_prompt_tokens=s - 1, max_context=s, micro_batch_size=1, eval_size=0)
+
+    def per_layer(r):
+        rows = memory_plan.plan(shape, dataclasses.replace(cfg, lora_rank=r), cuda=False, bf16=bf16)
+        return rows["update: activations"] / ((shape.layers + 1) * s)     # micro 1, no prefix store
+    h = shape.hidden
+    assert per_layer(rank) - per_layer(0) == (-2 * h * 4 + 7 * rank * 4 if not bf16 else
+                                              -2 * h * 4 + h * 2 + 7 * rank * 2)
+    measured = [saved_bytes_per_token_and_layer(r, bf16) for r in (rank, 0)]
+    assert measured[0] - measured[1] == per_layer(rank) - per_layer(0)
+
+
 def test_a_run_that_cannot_fit_stops_at_once_naming_the_flag(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(memory_plan, "device_bytes", lambda cuda: 2**20)          # a 1 MiB device
     with pytest.raises(ValueError, match=r"the memory plan needs .* GiB, over 90% of the device's 0\.0 GiB: lower --"):
@@ -116,7 +192,6 @@ def test_plan_flag_prints_the_table_and_exits(tmp_path, capsys):
 
 
 GIB = 2**30
-CARD_GIB = {"80gb": 79.0, "141gb": 139.0}        # what torch reports of an H100 80GB / an H200, rounded down
 # The paper's settings, as train.py held them before they moved to plumbing/presets.py.
 PAPER = dict(
     model="Qwen/Qwen2.5-3B-Instruct", data="data/nq_hotpotqa_train/train.parquet",
@@ -132,14 +207,21 @@ ALGORITHM = ("template", "max_turns", "topk", "max_turn_tokens", "max_obs_tokens
 
 
 def test_each_one_gpu_preset_keeps_the_papers_algorithm_and_fits_its_card_as_tight_as_it_can():
+    # what torch reports of each card, rounded down: 24 GB (an RTX 4090), 48 GB (an RTX A6000), an
+    # H100 80GB, an H200
+    assert memory_plan.CARD_GIB == {"24gb": 23.5, "48gb": 47.5, "80gb": 79.0, "141gb": 139.0}
     assert train.PRESETS["paper"] == PAPER
     names = sorted(n for n in train.PRESETS if n.startswith("one-gpu-"))
-    assert names == [f"one-gpu-{s}-{c}" for s in ("0.5b", "1.5b", "3b") for c in ("141gb", "80gb")]
+    assert names == [f"one-gpu-{s}-{c}" for s in ("0.5b", "1.5b", "3b")
+                     for c in ("141gb", "24gb", "48gb", "80gb")]
+    lora = {"one-gpu-1.5b-24gb", "one-gpu-3b-24gb", "one-gpu-3b-48gb"}
     paper = train.Config(**PAPER)
     for name in names:
         size, card = name.split("-")[2:]
         cfg = train.Config(**train.PRESETS[name])
-        assert all(getattr(cfg, f) == getattr(paper, f) for f in ALGORITHM), name
+        # LoRA at rank 32 and 10x the paper's lr where full fine-tuning cannot fit; else the paper's
+        assert (cfg.lora_rank, cfg.lr) == ((32, 1e-5) if name in lora else (0, 1e-6)), name
+        assert all(getattr(cfg, f) == getattr(paper, f) for f in ALGORITHM if f != "lr"), name
         n = cfg.prompts_per_step * cfg.group_size
         assert (n, n // cfg.mini_batch_size) == (320, 10)                 # 64 x 5, 10 updates a step as the paper's
 
@@ -147,11 +229,37 @@ def test_each_one_gpu_preset_keeps_the_papers_algorithm_and_fits_its_card_as_tig
             return memory_plan.plan(shape_of(f"qwen2.5-{size}-instruct"), dataclasses.replace(cfg, **change),
                                     cuda=True, bf16=True)["peak"]
 
-        limit = 0.85 * CARD_GIB[card] * GIB
+        limit = 0.85 * memory_plan.CARD_GIB[card] * GIB
         assert peak() <= limit, name
         larger = min((d for d in range(cfg.rollout_batch_size + 1, n + 1) if n % d == 0), default=None)
         assert larger is None or peak(rollout_batch_size=larger) > limit, name
         assert cfg.micro_batch_size == 8 or peak(micro_batch_size=2 * cfg.micro_batch_size) > limit, name
+        # full fine-tuning fits no rollout batch, even one row a micro-batch, where LoRA is used
+        assert name not in lora or peak(lora_rank=0, rollout_batch_size=1,
+                                        micro_batch_size=1) > limit, name
+
+
+def test_a_presets_plan_without_a_gpu_is_for_its_card_from_the_shipped_config(monkeypatch, tmp_path,
+                                                                              capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    train.main(["--preset", "one-gpu-3b-24gb", "--plan", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    peak = float(re.search(r"memory plan: peak ([\d.]+) GiB of 23\.5 GiB GPU memory "
+                           r"\(a 24gb card's; no GPU here\)", out).group(1))
+    assert peak <= 0.85 * 23.5 and "3,085.9M parameters" in out and "frozen base (LoRA)" in out
+    # the same preset with --device cpu plans for this machine's RAM, as asked
+    train.main(["--preset", "one-gpu-3b-24gb", "--plan", "--device", "cpu",
+                "--out-dir", str(tmp_path)])
+    assert "GiB RAM" in capsys.readouterr().out
+
+
+def test_a_model_not_downloaded_is_planned_from_its_shipped_config(capsys):
+    # a name no cache holds, whose model bench/configs/ ships
+    config = memory_plan.model_config(train.Config(model="nobody/Qwen2.5-0.5B-Instruct"))
+    assert memory_plan.Shape.of(config).parameters() == PUBLISHED["qwen2.5-0.5b-instruct"]
+    assert "planning from bench/configs/qwen2.5-0.5b-instruct" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no config to plan from"):
+        memory_plan.model_config(train.Config(model="nobody/no-such-model"))
 
 
 def test_the_step_time_estimate_by_hand():
@@ -166,6 +274,14 @@ def test_the_step_time_estimate_by_hand():
     passes = 3 + 1 + (1 - 32 / 320) + 1 + 1 / 10                          # fwd+bwd, recompute, old, ref, displacement
     assert t["training"] == pytest.approx(forward * passes / (0.35 * 989e12))
     assert t["step"] == pytest.approx(t["rollout"] + t["training"]) and 5 * 60 < t["step"] < 8 * 60
+    # LoRA on an RTX 4090, 40 rows: 35% more launches (the adapters' kernels), the adapters'
+    # FLOPs, and fwd+bwd 2 forwards (no weight gradients for the frozen base)
+    cfg = train.Config(**train.PRESETS["one-gpu-3b-24gb"])
+    t = memory_plan.step_seconds(shape, cfg, "RTX 4090 24GB")
+    adapters = 36 * 32 * (9 * 2048 + 2 * 256 + 3 * 11008)                 # 59.9M
+    assert t["rollout"] == pytest.approx(320 / 40 * 4 * 500 * 36 * 0.9 * 1.35e-3)
+    forward = 320 * s * (2 * (2_774_624_256 + 151936 * 2048 + adapters) + 2 * 36 * s * 2048)
+    assert t["training"] == pytest.approx(forward * (2 + 1 + 0.9 + 1 + 0.1) / (0.35 * 165e12))
 
 
 ONEDNN_PROBE = """

@@ -61,3 +61,18 @@ def test_nothing_points_outside_the_repository():
     sibling = "../" + "shared"                        # the developers' folder beside a checkout
     outside = [f for f in tracked if sibling in (ROOT / f).read_text(errors="replace")]
     assert not outside, f"these files point outside the repository: {outside}"
+
+
+def test_the_reading_guide_lists_definitions_that_exist_and_counts_them():
+    import ast
+    text = (ROOT / "README.md").read_text()
+    stops = re.findall(r"^\d+\. `([\w/]+\.py):([\w.]+)`", text, re.M)
+    claim = re.search(r"these (\d+) definitions in (\d+) files", text)
+    assert claim and (len(stops), len({f for f, _ in stops})) == tuple(map(int, claim.groups()))
+    for path, name in stops:
+        tree = ast.parse((ROOT / path).read_text())
+        scope = tree.body
+        for part in name.split("."):
+            found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
+            assert found, f"README's guide names {path}:{name}, which is not defined there"
+            scope = found[0].body

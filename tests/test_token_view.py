@@ -26,7 +26,7 @@ def test_token_changes_sum_to_the_logged_displacement(tmp_path, alternating_rewa
             assert all(not t["llds"] for t in r["tokens"] if t["kind"] == "obs" or r["advantage"] < 0)
             assert all(t["change"] < 0 for t in model if t["llds"])     # LLDS penalises falls only
         correct = [r["displacement"] for r in rows if r["reward"] > 0]
-        assert sum(correct) / len(correct) == pytest.approx(line["lld/displacement_correct"], abs=1e-5)
+        assert sum(correct) / len(correct) == pytest.approx(-line["lld/correct_displacement"], abs=1e-5)
         page = (tmp_path / "run" / "views" / f"step_{line['step']:04d}.html").read_text()
         n_model = sum(t["kind"] == "model" for r in rows for t in r["tokens"])
         assert len(re.findall(r'<span class="model', page)) == n_model

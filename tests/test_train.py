@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import data
+import monitor
 import rollout as ro
-import spiral
 import train
 from plumbing import cli, fast_hf, memory_plan, models, plots, runs
 from conftest import tiny_policy
@@ -21,7 +21,7 @@ from conftest import tiny_policy
 KEYS = ["reward", "em", "response_length", "searches", "valid_action_ratio", "entropy", "kl",
         "clip_ratio", "grad_norm", "skipped_steps", "llds/loss", "llds/active_token_frac",
         "llds/active_action_frac", "lld/logp_correct", "lld/logp_incorrect",
-        "lld/displacement_correct", "lld/frac_correct_fell", "timing/rollout", "timing/retrieval",
+        "lld/correct_displacement", "lld/correct_frac_lost", "timing/rollout", "timing/retrieval",
         "timing/logprob", "timing/update", "timing/step", "memory/peak_gb"]
 
 
@@ -57,7 +57,7 @@ def test_two_steps_end_to_end(tmp_path, alternating_rewards):
         missing = [k for k in KEYS if k not in line]
         assert not missing, f"metrics.jsonl lacks {missing}"
         assert line["reward"] == 0.5 and line["lld/logp_correct"] < 0 and line["lld/logp_incorrect"] < 0
-        assert 0 <= line["lld/frac_correct_fell"] <= 1 and line["skipped_steps"] == 0
+        assert 0 <= line["lld/correct_frac_lost"] <= 1 and line["skipped_steps"] == 0
     assert summary["before"]["eval/em"] == 0.0 and "eval/em" in summary["after"]
     assert (run / "samples" / "step_0002.txt").read_text().count("=== trajectory") == 2
     assert (run / "curves.png").stat().st_size > 0 and (run / "latest").read_text() == "ckpt-2"
@@ -288,14 +288,20 @@ def test_the_prefix_with_grad_runs_once_and_gives_the_same_gradients():
     assert any(g.abs().sum() > 0 for g in stored_grads[:3])   # the prefix's gradient arrived
 
 
-def test_minibatches_keep_the_shuffle_and_group_rows_of_similar_length():
-    cfg = train.Config(mini_batch_size=4, micro_batch_size=2)
-    lengths = torch.tensor([50, 10, 40, 20, 30, 60, 70, 5])
-    torch.manual_seed(3)
-    perm = torch.randperm(8)
-    torch.manual_seed(3)
-    minibatches = runs.shuffle_into_minibatches(lengths, cfg.mini_batch_size, cfg.micro_batch_size)
-    assert [sorted(torch.cat(mb).tolist()) for mb in minibatches] == [sorted(perm[:4].tolist()), sorted(perm[4:].tolist())]
+def test_minibatches_partition_the_rows_and_group_rows_of_similar_length(tmp_path, alternating_rewards,
+                                                                          monkeypatch):
+    seen, real_pass = [], train.logprob_pass
+
+    def recording(model, batch, minibatches, *args):
+        seen.append((batch["attention_mask"].sum(1), minibatches))
+        return real_pass(model, batch, minibatches, *args)
+
+    monkeypatch.setattr(train, "logprob_pass", recording)
+    cfg = tiny_config(tmp_path, steps=1, eval_size=0, prompts_per_step=4, group_size=2,
+                      mini_batch_size=4, micro_batch_size=2)
+    train.train(cfg, *tiny_policy())
+    lengths, minibatches = seen[0]                          # the old-log-prob pass of step 1
+    assert sorted(torch.cat([torch.cat(mb) for mb in minibatches]).tolist()) == list(range(8))
     for mb in minibatches:
         order = lengths[torch.cat(mb)].tolist()
         assert order == sorted(order) and [len(mu) for mu in mb] == [2, 2]
@@ -437,7 +443,7 @@ def test_equal_weights_give_equal_logprobs_on_every_path(tmp_path, alternating_r
     assert seen == [0.0, 0.0]
     assert line["clip_ratio"] == 0 and line["ppo_kl"] == 0 and line["kl"] == 0
     assert line["llds/active_token_frac"] == 0 and line["llds/loss"] == 0
-    assert line["lld/displacement_correct"] == 0 and line["lld/frac_correct_fell"] == 0
+    assert line["lld/correct_displacement"] == 0 and line["lld/correct_frac_lost"] == 0
 
 
 def test_reference_keeps_its_buffers_in_fp32():
@@ -495,24 +501,6 @@ def test_flags_presets_and_errors(tmp_path):
         train.setup(tiny_config(tmp_path))
 
 
-def test_rollout_stats_mean_log_likelihood_of_correct_and_incorrect_responses():
-    from types import SimpleNamespace
-    ep = lambda em, q: {"em": em, "f1": em, "n_search": 1, "n_valid": 1, "finished": True,  # noqa: E731
-                        "queries": [q], "golds": ["Orvale"], "text": f"<information>{q} Orvale</information>"}
-    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
-    old = torch.tensor([[9., -1., -3., 9.], [9., -2., -2., -5.], [9., -4., 9., 9.], [9., 9., 9., 9.]])
-    out = SimpleNamespace(episodes=[ep(1.0, "a"), ep(0.0, "a"), ep(0.0, "b"), ep(0.0, "a")],
-                          loss_mask=mask, logp=old.clone())
-    stats = train.rollout_stats(out, old, torch.tensor([1., 0., 0., 0.]), torch.tensor([0, 0, 0, 0]))
-    # correct: row 0, mean(-1, -3) = -2. incorrect with tokens: rows 1, 2 -> mean(-3, -4) = -3.5
-    # (row 3 has no model tokens and is left out). Pairs (0,1), (0,2), (0,3): one shares "a" with
-    # a row that has tokens, row 3 also searched "a" -> 2 of 3.
-    assert stats["lld/logp_correct"] == -2.0 and stats["lld/logp_incorrect"] == -3.5
-    assert stats["lld/shared_first_search"] == pytest.approx(2 / 3)
-    assert stats["search/answer_in_passages"] == 1.0 and stats["search/unique_queries"] == 2   # "a", "b"
-    assert stats["rollout/logp_diff"] == 0.0 and stats["reward"] == 0.25
-
-
 def test_prompt_sampler_resumes_mid_epoch():
     records = [{"id": str(i)} for i in range(5)]
     a = runs.PromptSampler(records, seed=3)
@@ -528,12 +516,6 @@ def test_prompt_sampler_never_waits_forever():
     # a checkpoint's position past the end (the data shrank since): the next epoch begins
     sampler = runs.PromptSampler([{"id": "a"}, {"id": "b"}], seed=0, epoch=3, pos=7)
     assert sorted(r["id"] for r in sampler.next(2)) == ["a", "b"] and sampler.state() == {"epoch": 5, "pos": 0}
-
-
-def test_the_spiral_flags_default_to_the_monitor_the_study_replays():
-    # experiments/lld_study/spiral_replay.py measures SpiralMonitor() with its own defaults
-    cfg, monitor = train.Config(), spiral.SpiralMonitor()
-    assert (cfg.spiral_window, cfg.spiral_nats) == (monitor.window, monitor.nats)
 
 
 def test_the_step_logs_each_mini_batch_value_as_its_micro_batches_sum_it():
@@ -572,10 +554,10 @@ def test_smollm2_displacement_monitor_has_no_noise_floor():
     cfg, cpu = train.Config(bf16=True, micro_batch_size=2), torch.device("cpu")
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3])]]
     batch["old_logp"], _ = train.logprob_pass(model, batch, plan, cfg, cpu)
-    correct = torch.tensor([True, False, True, False])
-    assert train.displacement(model, batch, plan, correct, cfg, cpu)[0] == {
-        "lld/displacement_correct": 0.0, "lld/frac_correct_fell": 0.0,
-        "lld/displacement_correct_search": 0.0, "lld/displacement_correct_answer": 0.0}
+    after, _ = train.logprob_pass(model, batch, plan, cfg, cpu)     # as monitor_step runs it
+    assert monitor.displacement(batch, after, torch.tensor([True, False, True, False]))[0] == {
+        "lld/correct_displacement": 0.0, "lld/correct_frac_lost": 0.0,
+        "lld/correct_displacement_search": 0.0, "lld/correct_displacement_answer": 0.0}
     # the same rows regrouped (what the monitor did before) are not bit-identical under bf16 (a CPU
     # without bf16 units runs float32, where this regrouping changed nothing on an AVX2 EPYC)
     regrouped, _ = train.logprob_pass(model, batch, [[torch.tensor([0, 2])]], cfg, cpu)
@@ -652,7 +634,7 @@ def test_tied_groups_and_zero_gradient_steps_are_named(tmp_path, alternating_rew
     from types import SimpleNamespace
     ep = {"em": 0.0, "f1": 0.0, "n_search": 0, "n_valid": 0, "finished": False, "queries": [], "golds": ["x"], "text": ""}
     out = SimpleNamespace(episodes=[ep] * 6, loss_mask=torch.ones(6, 2), logp=torch.zeros(6, 2))
-    stats = train.rollout_stats(out, torch.zeros(6, 2), torch.tensor([1., 1., 0., 1., 0., 0.]),
+    stats = monitor.rollout_stats(out, torch.zeros(6, 2), torch.tensor([1., 1., 0., 1., 0., 0.]),
                                 torch.tensor([0, 0, 1, 1, 2, 2]))
     assert stats["frac_reward_zero_std"] == pytest.approx(2 / 3)     # groups 0 (1, 1) and 2 (0, 0) tie
     train.train(tiny_config(tmp_path, name="signal"), *tiny_policy())
@@ -667,24 +649,6 @@ def test_every_group_tied_gives_an_exactly_zero_gradient_flagged(tmp_path):
     lines = step_lines(tmp_path / "run")
     assert [l["grad_zero"] for l in lines] == [1.0, 1.0] and [l["grad_norm"] for l in lines] == [0.0, 0.0]
     assert [l["frac_reward_zero_std"] for l in lines] == [1.0, 1.0]
-
-
-def test_displacement_splits_into_search_turns_and_the_answer_turn(monkeypatch):
-    # row 0 correct: turns at 1-2 (search) and 4-5 (answer, <answer> on 5); row 1 correct, no answer; row 2 wrong
-    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
-    answer = torch.tensor([[0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6], dtype=torch.float32)
-    old = torch.zeros(3, 6)
-    after = torch.tensor([[9., -1., -2., 9., 0.5, -3.], [9., 1., 1., -4., 9., 9.], [5.] * 6])
-    batch = {"loss_mask": mask, "answer_mask": answer, "old_logp": old}
-    monkeypatch.setattr(train, "logprob_pass", lambda *a: (after, None))
-    out, change = train.displacement(None, batch, [[torch.tensor([0, 1, 2])]],
-                                     torch.tensor([True, True, False]), None, None)
-    assert torch.equal(change, torch.where(mask.bool(), after, 0.0))
-    # row 0: search -3, answer -2.5 (total -5.5); row 1: search -2, answer 0 (total -2)
-    assert out["lld/displacement_correct"] == pytest.approx(-3.75)
-    assert out["lld/displacement_correct_search"] == pytest.approx(-2.5)
-    assert out["lld/displacement_correct_answer"] == pytest.approx(-1.25)
-    assert out["lld/frac_correct_fell"] == 1.0
 
 
 def test_unnamed_runs_each_get_a_new_folder_and_resume_takes_the_newest(tmp_path):
@@ -718,7 +682,7 @@ def test_attention_off_cudnn_and_rounded_lengths_keep_the_logprobs(bf16, tmp_pat
     rows, cpu = torch.tensor([1, 2]), torch.device("cpu")
 
     def logprobs(multiple, token_logprobs):
-        mb = runs.micro_batch(batch, rows, cpu, multiple)
+        mb = train.micro_batch(batch, rows, cpu, multiple)
         with torch.no_grad(), fast_hf.autocast(cpu, bf16), \
                 fast_hf.prefix_once(model, ids, attention) as policy:
             logp, entropy = token_logprobs(policy, mb["input_ids"], mb["attention_mask"],
@@ -726,7 +690,7 @@ def test_attention_off_cudnn_and_rounded_lengths_keep_the_logprobs(bf16, tmp_pat
         return mb["input_ids"].shape[1], logp[:, :61], entropy[:, :61]
 
     width, *plain = logprobs(1, train.token_logprobs.__wrapped__)      # unheld, unpadded
-    assert width == 61 and runs.micro_batch(batch, rows, cpu)["input_ids"].shape[1] == 61
+    assert width == 61 and train.micro_batch(batch, rows, cpu)["input_ids"].shape[1] == 61
     assert all(torch.equal(a, b) for a, b in zip(plain, logprobs(1, train.token_logprobs)[1:]))
     for multiple in (8, 64):
         padded_width, *padded = logprobs(multiple, train.token_logprobs)
@@ -735,13 +699,13 @@ def test_attention_off_cudnn_and_rounded_lengths_keep_the_logprobs(bf16, tmp_pat
                    for a, b in zip(plain, padded))
     assert "CUDNN_ATTENTION" not in fast_hf.LOGPROB_KERNELS
     # a whole step at lr 0 with every micro-batch padded to a multiple of 64: exactly 0
-    monkeypatch.setattr(train, "micro_batch", functools.partial(runs.micro_batch, multiple=64))
+    monkeypatch.setattr(train, "micro_batch", functools.partial(train.micro_batch, multiple=64))
     cfg = tiny_config(tmp_path, steps=1, lr=0.0, eval_size=0, micro_batch_size=2, kl_coef=0.1,
                       bf16=bf16)
     train.train(cfg, model, tokenizer)
     line = step_lines(tmp_path / "run")[0]
     assert line["clip_ratio"] == line["ppo_kl"] == line["kl"] == line["llds/loss"] == 0
-    assert line["lld/displacement_correct"] == 0
+    assert line["lld/correct_displacement"] == 0
 
 
 def test_plan_flag_prints_the_peak_of_the_runs_start_line(tmp_path, capsys):

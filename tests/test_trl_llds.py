@@ -370,3 +370,31 @@ def test_search_r1_example_trains_with_llds_and_a_tool(tmp_path):
              for gold in ("Orvale", "Kessan")]
     turns.append([{"role": "assistant", "content": "Orvale"}])
     assert trl_search_r1.em_reward(0.1)(turns, [["orvale"], ["Orvale"], ["Orvale"]]) == [1.0, 0.1, 0.0]
+
+
+@pytest.mark.parametrize("adapter", ["fresh", "lively"])
+def test_a_peft_model_keeps_the_old_log_probs_and_the_reference_right(tmp_path, adapter):
+    """TRL's own peft_config: the policy trains LoRA adapters and TRL's KL reference is the same
+    model with them off. At lr 0 the old log-probs are the current ones (LLDS exactly 0 on every
+    update); the reference is the base: KL 0 while the adapter is fresh (B = 0), above 0 once it
+    changes every product (a frozen copy of the policy would give 0 there too)."""
+    from peft import LoraConfig
+
+    tokenizer = tiny_trl.chat_tokenizer()
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    trainer = tiny_trl.Scripted(model=tiny_trl.tiny_model(tokenizer), reward_funcs=tiny_trl.length_reward,
+                                args=tiny_trl.config(tmp_path, learning_rate=0.0, beta=0.1),
+                                train_dataset=tiny_trl.prompts(8), processing_class=tokenizer, peft_config=lora)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    if adapter == "lively":
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    trainer.train()
+    logs = [l for l in trainer.state.log_history if "llds/loss" in l]
+    assert len(logs) == 4 and all(l["llds/loss"] == 0 for l in logs)
+    kls = [l["kl"] for l in logs]
+    assert all(k > 1e-4 for k in kls) if adapter == "lively" else all(k == 0 for k in kls)

@@ -43,6 +43,13 @@ MODEL_SEED = 0
 PRETRAIN_WORLDS = (1, 2, 3, 4)  # toy worlds of other seeds: the lab's templates, none of its names or facts
 PRETRAIN_STEPS = 2500          # language-model steps on the corpus before SFT (pretrain)
 
+# The registered design (experiments/lab/prereg.md), here because the runner (lab_runs.py) and the
+# analysis (lab_study.py) both read it. The pilot's grid: lr x updates per rollout batch (§4).
+PILOT_LRS, PILOT_UPDATES = (1e-5, 3e-5, 1e-4), (4, 10)
+# The registered models (§1-2): built in float32 on ONE thread, the only way to get these bytes.
+REGISTERED = {"base": "e40b6e570dfe4ec12706bd330399e695b14dfb0e5d643f06445e6bcfbe054979",
+              "sft": "da805fefc147bb83594564f88d6fc2f440e68b45d983143ff4669f5009706ed9"}
+
 
 # ---- Questions, tokenizer and model ---------------------------------------------------------
 

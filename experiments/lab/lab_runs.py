@@ -23,19 +23,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from experiments.lab.lab import build_lab, lab_dir  # noqa: E402
+from experiments.lab.lab import (PILOT_LRS, PILOT_UPDATES, REGISTERED, build_lab,  # noqa: E402
+                                 lab_dir)
+from experiments.lab.lab_study import (choose_cell, harshest, pilot_cells, stopped,  # noqa: E402
+                                       undecided)
 
 PY = sys.executable
 SFT_DIR = ROOT / "runs" / "lab" / "sft"
 # The warm-start recipe (experiments/lab/prereg.md): the lab's SFT questions and four other worlds' (experiments/lab/lab.py).
 SFT_ARGS = ["--epochs", "2", "--lr", "2e-3", "--episodes-per-question", "2"]
-PILOT_LRS, PILOT_UPDATES, PILOT_SEEDS = (1e-5, 3e-5, 1e-4), (4, 10), range(1000, 1008)
+PILOT_SEEDS = range(1000, 1008)
 STUDY_SEEDS = range(32)
 BATCH = 8 * 5                                          # prompts x group size of the lab preset
 SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
-# The registered models (experiments/lab/prereg.md §1-2): built in float32 on ONE thread, the only way to get these bytes.
-REGISTERED = {"base": "e40b6e570dfe4ec12706bd330399e695b14dfb0e5d643f06445e6bcfbe054979",
-              "sft": "da805fefc147bb83594564f88d6fc2f440e68b45d983143ff4669f5009706ed9"}
 
 
 def cell_name(lr: float, updates: int) -> str:
@@ -50,8 +50,6 @@ def parse_cell(cell: str) -> tuple[float, int]:
 def lab_cell(pilot: Path, stage: str) -> str | None:
     """The cell the pilot chose; None for the study when the stop rule ended the lab, whose demo then runs the
     pilot's harshest cell (the most displacement, the likeliest spiral). Exits while the pilot can still choose."""
-    from experiments.lab.lab_study import choose_cell, harshest, pilot_cells, stopped, undecided
-
     cells = pilot_cells(pilot)
     if (chosen := choose_cell(cells)) and not undecided(cells, chosen):
         return chosen["cell"]
@@ -105,6 +103,7 @@ def check(model: Path, questions: int = 200) -> dict:
     import torch
 
     import data
+    import monitor
     import retriever
     import rollout
     import train
@@ -124,7 +123,8 @@ def check(model: Path, questions: int = 200) -> dict:
     groups = torch.arange(len(records)).repeat_interleave(5)
     result = {"em_sampled": correct.float().mean().item(), "questions": questions, "samples": 5,
               "shared_first_search": shared_first_search(out.episodes, correct, groups),
-              "groups_tied": train.rollout_stats(out, out.logp, correct.float(), groups)["frac_reward_zero_std"],
+              "groups_tied": monitor.rollout_stats(out, out.logp, correct.float(),
+                                                   groups)["frac_reward_zero_std"],
               "model_tokens": out.loss_mask.sum(1).mean().item()}
     print(json.dumps(result))
     return result
@@ -188,8 +188,6 @@ def main() -> None:
         wanted = set(range(int(first), int(last or first) + 1))
     runs_root, docs_root = ROOT / "runs" / "lab", ROOT / "experiments" / "lab"
     if args.stage == "pilot":     # mildest cell first; the first cell that qualifies ends the pilot
-        from experiments.lab.lab_study import choose_cell, pilot_cells
-
         for lr in PILOT_LRS:
             for u in PILOT_UPDATES:
                 cell = cell_name(lr, u)

@@ -18,7 +18,8 @@ The rules, fixed before the runs and the same for both arms:
 - H1: collapses on paired seeds, exact McNemar test; H2: final sampled held-out EM, LLDS - GRPO per
   seed, 95% percentile bootstrap over pairs. "LLDS helps" needs fewer collapses with p < 0.05 and the H2
   interval above 0 ("hurts" is the mirror). The study is void unless LLDS displaced the correct
-  responses less (summed negative displacement, paired interval excluding 0, mean above 0);
+  responses less: their summed positive displacement (d = log pi_old - log pi_theta, > 0 where they
+  lost likelihood), LLDS - GRPO, has a paired interval excluding 0 and a mean below 0;
 - secondary: time to collapse, area under the sampled EM curve, and whether a collapse shows the
   paper's phases (II: correct responses displaced while reward still holds; III: entropy or gradients blow up).
 
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from experiments.lab.lab_runs import PILOT_LRS, PILOT_UPDATES, REGISTERED  # noqa: E402
+from experiments.lab.lab import PILOT_LRS, PILOT_UPDATES, REGISTERED  # noqa: E402
 from experiments.lld_study.lld_study import bootstrap_mean  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
@@ -45,7 +46,7 @@ ARMS = {"grpo": "plain GRPO", "llds": "GRPO + LLDS"}
 COLOURS = {"grpo": "tab:red", "llds": "tab:blue"}
 RUN = re.compile(r"^(grpo|llds)-s(\d+)$")
 SERIES = {"reward": "reward", "entropy": "entropy", "grad_norm": "grad_norm", "grad_norm_max": "grad_norm_max",
-          "displacement": "lld/displacement_correct"}
+          "displacement": "lld/correct_displacement"}
 WITHOUT = "**The same without the runs from another SFT build** (prereg §6):"
 CELL_RUNS, CELL_MIN, CELL_MEDIAN = 8, 6, 100        # pilot: 8 seeds; >= 6 learn, >= 6 collapse, median >= 100
 
@@ -126,13 +127,15 @@ def learned(run: dict) -> bool:
 
 
 def phases(run: dict, s_star: int) -> dict:
-    """Whether a collapse at s* shows the paper's phases. II: over steps s*-40..s*-10 the correct responses
-    were displaced (displacement < 0) on >= 60% of the steps that measured it, while R10(s*-10) >= R10(s*-40).
+    """Whether a collapse at s* shows the paper's phases. II: over steps s*-40..s*-10 the correct
+    responses were displaced (displacement > 0: they lost likelihood) on >= 60% of the steps that
+    measured it, while R10(s*-10) >= R10(s*-40).
     III: at some step s in s*-10..s*+10, entropy >= 1.5x the run's minimum, or grad_norm_max >= 5x its
     median over steps 1..s. Windows are clipped to the run, R10's to steps 10 and later."""
     r, disp = r10(run["reward"]), run["displacement"][max(0, s_star - 41):s_star - 10]
     disp = disp[~np.isnan(disp)]
-    phase2 = bool(disp.size) and np.mean(disp < 0) >= 0.6 and r[s_star - 11] >= r[max(10, s_star - 40) - 1]
+    phase2 = (bool(disp.size) and np.mean(disp > 0) >= 0.6
+              and r[s_star - 11] >= r[max(10, s_star - 40) - 1])
     entropy, spikes = run["entropy"], run["grad_norm_max"]
     window = range(max(1, s_star - 10), min(len(entropy), s_star + 10) + 1)
     phase3 = any(entropy[s - 1] >= 1.5 * np.nanmin(entropy) or spikes[s - 1] >= 5 * np.nanmedian(spikes[:s])
@@ -156,7 +159,7 @@ def run_summary(run: dict) -> dict:
             "other_sft": run["other_sft"],
             "steps": len(run["reward"]), "collapse": s_star, "em_final": ems[-1] if ems else None,
             "em_best": max(ems) if ems else None, "em_area": em_area(run["evals"]),
-            "disp_neg": float(np.nansum(np.minimum(run["displacement"], 0.0))),
+            "disp_lost": float(np.nansum(np.maximum(run["displacement"], 0.0))),
             **(phases(run, s_star) if s_star else {"phase2": None, "phase3": None})}
 
 
@@ -186,13 +189,14 @@ def pilot_cells(folder: Path, registered_only: bool = False) -> list[dict]:
 
 
 MEASURES = {"R10 at step 10": ".2f", "peak R10": ".2f", "sampled EM, step 0": ".2f", "sampled EM, final": ".2f",
-            "summed negative displacement (nats)": ".3f", "entropy, last 10 steps": ".3f"}
+            "summed positive displacement (nats)": ".3f", "entropy, last 10 steps": ".3f"}
 
 
 def pilot_measures(run: dict) -> dict:
     """What a finished pilot run did, by the names of MEASURES (descriptive: no rule reads them)."""
     r, ems = r10(run["reward"]), [em for _, em in run["evals"]]
-    return dict(zip(MEASURES, (r[9], np.nanmax(r), ems[0], ems[-1], np.nansum(np.minimum(run["displacement"], 0.0)),
+    lost = np.nansum(np.maximum(run["displacement"], 0.0))
+    return dict(zip(MEASURES, (r[9], np.nanmax(r), ems[0], ems[-1], lost,
                                np.nanmean(run["entropy"][-10:]))))
 
 
@@ -269,8 +273,8 @@ def decide(pairs: list[tuple[dict, dict]]) -> dict:
     c = sum(g["collapse"] is None and l["collapse"] is not None for g, l in pairs)    # only LLDS collapsed
     p = mcnemar_p(b, c)
     em = bootstrap_mean([l["em_final"] - g["em_final"] for g, l in pairs])
-    disp = bootstrap_mean([l["disp_neg"] - g["disp_neg"] for g, l in pairs])
-    check = disp[0] > 0 and not disp[1] <= 0 <= disp[2]
+    disp = bootstrap_mean([l["disp_lost"] - g["disp_lost"] for g, l in pairs])
+    check = disp[0] < 0 and not disp[1] <= 0 <= disp[2]           # LLDS lost less likelihood
     verdict = ("void" if not check else "LLDS helps" if b > c and p < 0.05 and em[1] > 0
                else "LLDS hurts" if c > b and p < 0.05 and em[2] < 0 else "no difference shown")
     return {"b": b, "c": c, "p": p, "em": em, "disp": disp, "check": check, "verdict": verdict}
@@ -282,13 +286,13 @@ def fmt(x, spec=".3f") -> str:
 
 def run_table(summaries: list[dict]) -> str:
     """One row per finished run; the unfinished ones named below it."""
-    out = ["| arm | seed | collapse step | final sampled EM | best sampled EM | summed negative displacement | "
-           "phase II / III |", "|---" * 7 + "|"]
+    out = ["| arm | seed | collapse step | final sampled EM | best sampled EM | "
+           "summed positive displacement | phase II / III |", "|---" * 7 + "|"]
     for s in (s for s in summaries if s["finished"]):
         shows = "-" if s["collapse"] is None else " / ".join("yes" if s[k] else "no" for k in ("phase2", "phase3"))
         seed = f"{s['seed']} (other SFT build)" if s["other_sft"] else s["seed"]
         out.append(f"| {ARMS[s['arm']]} | {seed} | {s['collapse'] or '-'} | {fmt(s['em_final'])} | "
-                   f"{fmt(s['em_best'])} | {s['disp_neg']:.2f} | {shows} |")
+                   f"{fmt(s['em_best'])} | {s['disp_lost']:.2f} | {shows} |")
     if unfinished := [f"{s['name']} ({s['steps']} steps)" for s in summaries if not s["finished"]]:
         out.append(f"\nunfinished, not counted: {', '.join(unfinished)}")
     return "\n".join(out)
@@ -308,7 +312,8 @@ def paired_report(pairs: list[tuple[dict, dict]]) -> str:
                    f"{sum(s['phase2'] for s in hit)} of {len(hit)} | {sum(s['phase3'] for s in hit)} of {len(hit)} |")
     area = bootstrap_mean([l["em_area"] - g["em_area"] for g, l in pairs])
     out += ["", "| paired difference LLDS - GRPO | pairs | mean | 95% bootstrap interval |", "|---" * 4 + "|"]
-    for name, m in (("final sampled held-out EM (H2)", d["em"]), ("summed negative displacement (check)", d["disp"]),
+    for name, m in (("final sampled held-out EM (H2)", d["em"]),
+                    ("summed positive displacement (check)", d["disp"]),
                     ("area under the sampled EM curve", area)):
         out.append(f"| {name} | {n} | {m[0]:+.3f} | [{m[1]:+.3f}, {m[2]:+.3f}] |")
     g_em, l_em = (np.mean([s["em_final"] for s in mine]) for mine in arms.values())
@@ -319,8 +324,9 @@ def paired_report(pairs: list[tuple[dict, dict]]) -> str:
                 f"{d['b']} only GRPO / {d['c']} only LLDS, exact McNemar p = {d['p']:.4g}.",
             f"**Final sampled held-out EM (H2):** {g_em:.3f} plain GRPO, {l_em:.3f} LLDS; paired LLDS - GRPO "
             f"{em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] over {n} pairs.",
-            f"**Manipulation check:** summed negative displacement LLDS - GRPO {disp[0]:+.2f} [{disp[1]:+.2f}, "
-            f"{disp[2]:+.2f}] nats: {'passed' if d['check'] else 'failed'}. **Verdict: {d['verdict']}**{why}."]
+            f"**Manipulation check:** summed positive displacement LLDS - GRPO {disp[0]:+.2f} "
+            f"[{disp[1]:+.2f}, {disp[2]:+.2f}] nats: {'passed' if d['check'] else 'failed'}. "
+            f"**Verdict: {d['verdict']}**{why}."]
     return "\n".join(out)
 
 
@@ -344,7 +350,8 @@ def draw(runs: list[dict], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     panels = [("training reward (10-step trailing mean)", "reward", lambda r: r10(r["reward"])),
-              ("displacement of correct responses", "nats (after - before the step)", lambda r: r["displacement"]),
+              ("correct responses' displacement (> 0: lost likelihood)",
+               "nats (before - after the step)", lambda r: r["displacement"]),
               ("entropy", "entropy (nats per token)", lambda r: r["entropy"]),
               ("grad norm (log scale; steps without gradient left out)", "grad norm",
                lambda r: np.where(r["grad_norm"] > 0, r["grad_norm"], np.nan))]

@@ -14,8 +14,9 @@ Outcome measures (fixed before the seeds 3+ ran; the collapse rule is experiment
   per seed with its mean and a 95% bootstrap interval over seeds (10,000 resamples, percentile);
 - the same on 200 held-out questions, for the runs whose final checkpoint was scored (--score);
 - training reward over the last 5 steps;
-- displacement of the correct responses: summed over the steps where it was negative, the worst
-  step, and the number of steps where it was negative.
+- displacement of the correct responses (`lld/correct_displacement`: d = log pi_old - log pi_theta
+  summed over a response, > 0 where it lost likelihood): summed over the steps where it was
+  positive, the worst (largest) step, and the number of steps where it was positive.
 Added after seeds 0-8 had run, and labelled post hoc wherever it is printed: held-out EM at or
 below 0.05 (1 of 30 questions) at an evaluation after step 0, a breakdown the collapse rule does
 not see when entropy falls instead of rising.
@@ -59,7 +60,8 @@ def run_summary(run_dir: Path) -> dict:
     train = [l for l in lines if "reward" in l]
     steps = json.loads((run_dir / "config.json").read_text())["steps"]
     evals = [(l["step"], l["eval/em"]) for l in lines if l.get("eval/em") is not None]
-    disp = [l["lld/displacement_correct"] for l in train if l.get("lld/displacement_correct") is not None]
+    disp = [l["lld/correct_displacement"] for l in train
+            if l.get("lld/correct_displacement") is not None]
     arm, seed = NAME.search(run_dir.name).groups()
     finished = bool(train) and train[-1]["step"] == steps
     out = {"run": run_dir.name, "arm": arm, "seed": int(seed), "precision": precision(run_dir),
@@ -69,8 +71,8 @@ def run_summary(run_dir: Path) -> dict:
            "em_first": evals[0][1] if evals else None,
            "em_final": evals[-1][1] if finished and evals and evals[-1][0] == steps else None,
            "reward_last5": statistics.fmean(l["reward"] for l in train[-5:]) if finished else None,
-           "disp_sum": sum(d for d in disp if d < 0), "disp_worst": min(disp, default=None),
-           "disp_neg_steps": sum(d < 0 for d in disp), "em_heldout": {}}
+           "disp_sum": sum(d for d in disp if d > 0), "disp_worst": max(disp, default=None),
+           "disp_pos_steps": sum(d > 0 for d in disp), "em_heldout": {}}
     for path in run_dir.glob("heldout*.json"):
         scored = json.loads(path.read_text())
         out["em_heldout"][scored["questions"]] = scored["eval/em"]
@@ -104,8 +106,8 @@ def study_tables(runs: list[dict]) -> str:
     big = sizes[-1] if sizes else None
     out.append("| arm | runs finished / started | collapses | EM fell to <= 0.05 (post hoc) | final EM, 30 q (mean) | "
                + (f"final EM, {big} q (mean, runs) | " if big else "")
-               + "reward, last 5 steps (mean) | summed negative displacement (mean) | "
-               "worst displacement (median) | steps with negative displacement (mean of 20) |")
+               + "reward, last 5 steps (mean) | summed positive displacement (mean) | "
+               "worst displacement (median) | steps with positive displacement (mean of 20) |")
     out.append("|---" * (9 + bool(big)) + "|")
     for arm, label in ARMS.items():
         mine = [r for r in runs if r["arm"] == arm]
@@ -122,12 +124,13 @@ def study_tables(runs: list[dict]) -> str:
         cells += [fmt(statistics.fmean(r["reward_last5"] for r in done) if done else None),
                   fmt(statistics.fmean(r["disp_sum"] for r in done) if done else None, ".1f"),
                   fmt(statistics.median(r["disp_worst"] for r in done) if done else None, ".1f"),
-                  fmt(statistics.fmean(r["disp_neg_steps"] for r in done) if done else None, ".1f")]
+                  fmt(statistics.fmean(r["disp_pos_steps"] for r in done) if done else None, ".1f")]
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     measures = [("final EM, 30 questions", lambda r: r["em_final"]),
                 ("reward, last 5 steps", lambda r: r["reward_last5"]),
-                ("summed negative displacement (nats)", lambda r: r["disp_sum"] if r["finished"] else None)]
+                ("summed positive displacement (nats)",
+                 lambda r: r["disp_sum"] if r["finished"] else None)]
     if big:
         measures.insert(1, (f"final EM, {big} questions", lambda r: r["em_heldout"].get(big)))
     out.append("| paired difference LLDS - GRPO | seeds | mean | 95% bootstrap interval | LLDS higher / lower / tied |")
@@ -142,7 +145,8 @@ def study_tables(runs: list[dict]) -> str:
                    f"{sum(d > 0 for d in diffs)} / {sum(d < 0 for d in diffs)} / {sum(d == 0 for d in diffs)} |")
     out.append("")
     out.append("| seed | final EM 30 q: GRPO / LLDS | " + (f"EM {big} q: GRPO / LLDS | " if big else "")
-               + "collapse: GRPO / LLDS | EM <= 0.05 (post hoc): GRPO / LLDS | summed negative displacement: GRPO / LLDS |")
+               + "collapse: GRPO / LLDS | EM <= 0.05 (post hoc): GRPO / LLDS | "
+               "summed positive displacement: GRPO / LLDS |")
     out.append("|---" * (5 + bool(big)) + "|")
     for seed in sorted({r["seed"] for r in runs}):
         g = next((r for r in runs if r["seed"] == seed and r["arm"] == "grpo"), None)
@@ -173,9 +177,12 @@ def headline(runs: list[dict]) -> str:
         values = [key(r) for r in arm[a] if key(r) is not None]
         return statistics.fmean(values) if values else None
 
-    def diff(key):                                    # (mean, lo, hi, LLDS higher, seeds) of LLDS - GRPO
+    def diff(key):                    # LLDS - GRPO: (mean, lo, hi, LLDS higher, LLDS lower, seeds)
         diffs = [b - a for _, a, b in paired(done, key)]
-        return (*bootstrap_mean(diffs), sum(d > 0 for d in diffs), len(diffs)) if len(diffs) >= 2 else None
+        if len(diffs) < 2:
+            return None
+        return (*bootstrap_mean(diffs), sum(d > 0 for d in diffs), sum(d < 0 for d in diffs),
+                len(diffs))
 
     def interval(d, spec):
         return f"{d[0]:{spec}} [{d[1]:{spec}}, {d[2]:{spec}}]"
@@ -186,15 +193,16 @@ def headline(runs: list[dict]) -> str:
     sizes = sorted({n for r in done for n in r["em_heldout"]})
     untouched = sum(a == b == 0 for _, a, b in paired(done, lambda r: r["disp_sum"]))
     tied = f" (in {untouched} neither arm displaced them)" if untouched else ""
-    lines = [f"**LLDS cut the displacement of correct responses in {disp[3]} of {disp[4]} seeds{tied}:** their summed "
-             f"negative displacement (mean over seeds) was {mean('grpo', lambda r: r['disp_sum']):.1f} nats under plain "
-             f"GRPO and {mean('llds', lambda r: r['disp_sum']):.1f} under LLDS (paired difference {disp[0]:+.1f}, 95% "
-             f"bootstrap interval [{disp[1]:+.1f}, {disp[2]:+.1f}])."]
+    lines = [f"**LLDS cut the displacement of correct responses in {disp[4]} of {disp[5]} seeds"
+             f"{tied}:** their summed positive displacement (mean over seeds) was "
+             f"{mean('grpo', lambda r: r['disp_sum']):.1f} nats under plain GRPO and "
+             f"{mean('llds', lambda r: r['disp_sum']):.1f} under LLDS (paired difference "
+             f"{disp[0]:+.1f}, 95% bootstrap interval [{disp[1]:+.1f}, {disp[2]:+.1f}])."]
     outcome = (f"Plain GRPO collapsed in {sum(r['collapse'] is not None for r in arm['grpo'])} of {len(arm['grpo'])} "
                f"runs, LLDS in {sum(r['collapse'] is not None for r in arm['llds'])} of {len(arm['llds'])}; final "
                f"held-out EM (30 questions) {mean('grpo', lambda r: r['em_final']):.2f} against "
                f"{mean('llds', lambda r: r['em_final']):.2f}, paired difference LLDS - GRPO {interval(em, '+.2f')}, "
-               f"LLDS higher in {em[3]} of {em[4]} seeds")
+               f"LLDS higher in {em[3]} of {em[5]} seeds")
     big = diff(lambda r: r["em_heldout"].get(sizes[-1])) if sizes else None
     if big:
         seeds = [s for s, _, _ in paired(done, lambda r: r["em_heldout"].get(sizes[-1]))]
@@ -216,7 +224,8 @@ def draw(run_dirs: list[Path], runs: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = [("training reward", "reward"), ("held-out EM (30 questions)", "eval/em"),
-              ("displacement of correct responses (nats)", "lld/displacement_correct"), ("entropy", "entropy")]
+              ("correct responses' displacement (> 0: lost)", "lld/correct_displacement"),
+              ("entropy", "entropy")]
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     for arm, label in ARMS.items():
         mine = [(d, r) for d, r in zip(run_dirs, runs) if r["arm"] == arm]
@@ -236,7 +245,7 @@ def draw(run_dirs: list[Path], runs: list[dict], out: Path) -> Path:
             ax.plot(steps, [statistics.median(per_step[s]) for s in steps], color=COLOURS[arm], linewidth=2.4,
                     label=f"{label}: {len(mine)} seeds (thin), median (bold)" if key == "reward" else None)
     for ax, (title, key) in zip(axes, panels):
-        if key == "lld/displacement_correct":
+        if key == "lld/correct_displacement":
             ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")

@@ -7,8 +7,9 @@ Columns, all read from the training metrics (no re-running):
 - held-out EM: the first and the last evaluation (greedy, fixed subset);
 - correct log-lik fell: the longest stretch of consecutive steps over which `lld/logp_correct` (mean
   token log-likelihood of the correct responses under the rollout policy) fell, and by how much;
-- worst displacement: the most negative `lld/displacement_correct` (summed log-prob after minus
-  before the step's updates, mean over the correct responses) and its step;
+- worst displacement: the largest `lld/correct_displacement` (d = log pi_old - log pi_theta: the
+  summed log-prob before minus after the step's updates, mean over the correct responses; > 0:
+  they lost likelihood) and its step (the first, on a tie);
 - entropy: first step -> last step; grad norm (max over a step's updates): first step -> the
   largest of the last 5 steps (a step whose groups all tie has no gradient: norm 0);
 - collapse: the first step at which the 5-step mean reward is below half its best earlier
@@ -55,11 +56,11 @@ def row(run_dir: Path) -> str:
     train = [l for l in lines if "reward" in l]
     evals = [(l["step"], l["eval/em"]) for l in lines if l.get("eval/em") is not None]
     logp = [(l["step"], l["lld/logp_correct"]) for l in train if l.get("lld/logp_correct") is not None]
-    disp = [(l["lld/displacement_correct"], l["step"]) for l in train
-            if l.get("lld/displacement_correct") is not None]
+    disp = [(l["lld/correct_displacement"], l["step"]) for l in train
+            if l.get("lld/correct_displacement") is not None]
     fall = longest_fall(logp)
     first5, last5 = [l["reward"] for l in train[:5]], [l["reward"] for l in train[-5:]]
-    worst = min(disp) if disp else None
+    worst = max(disp, key=lambda p: p[0]) if disp else None
     collapse = collapse_step(train)
     cells = [
         run_dir.name, str(len(train)),

@@ -3,7 +3,7 @@
     make study      # runs: spiral_replay.py experiments/lld_study/compare experiments/lab/pilot
     .venv/bin/python experiments/lld_study/spiral_replay.py <study> <lab> --table   # README's table
 
-Each run's metrics.jsonl goes, step by step, through spiral.SpiralMonitor, the class train.py
+Each run's metrics.jsonl goes, step by step, through monitor.SpiralMonitor, the class train.py
 uses, with train.py's default settings; one line per run says its first warning and its
 breakdown (`none` where there is none), then the counts of the design and the held-out runs.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from plumbing.plots import read_metrics  # noqa: E402
-from spiral import SpiralMonitor  # noqa: E402
+from monitor import SpiralMonitor  # noqa: E402
 
 DESIGN_SEEDS = {0, 1, 2, 3, 4, 6, 8}            # the study's; 5, 7 and 9 are held out
 DESIGN_CELL = re.compile(r"lab-lr1e-5-")       # the lab's lr 1e-5 cells; lr 3e-5 and 1e-4 held out

@@ -1,4 +1,5 @@
-"""The death-spiral warning (spiral.py): hand-made runs, a resumed history, and the replay of the
+"""monitor.py: the rollout's numbers and the displacement of correct responses; the death-spiral
+warning: hand-made runs, a resumed history, and the replay of the
 committed runs (experiments/lld_study/spiral_replay.py) through the same class."""
 import json
 import math
@@ -6,28 +7,31 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.lld_study import spiral_replay
-from spiral import SpiralMonitor, lost_nats
+import monitor
+import train
+from monitor import SpiralMonitor, lost_nats
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def feed(monitor, rewards, displacements, start=1):
+def feed(warning, rewards, displacements, start=1):
     """The step numbers at which the monitor warns, fed one (reward, displacement) per step."""
     return [step for step, (r, d) in enumerate(zip(rewards, displacements), start)
-            if monitor.check(step, {"reward": r, "lld/displacement_correct": d})]
+            if warning.check(step, {"reward": r, "lld/correct_displacement": d})]
 
 
 # A spiral in miniature: reward rises to a 0.5 plateau (best 5-step mean 0.5, steps 3-9), the
 # correct responses lose 2 nats a step from step 8, and reward falls from step 10.
 SPIRAL_REWARDS = [0.1, 0.3, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3, 0.2, 0.1, 0.0, 0.0]
-SPIRAL_DISPLACEMENTS = [1.0, 1.0, 0.5, 0.5, None, 0.5, 0.0] + [-2.0] * 5 + [None, None]
+SPIRAL_DISPLACEMENTS = [-1.0, -1.0, -0.5, -0.5, None, -0.5, 0.0] + [2.0] * 5 + [None, None]
 
 
 def test_a_spiral_warns_when_the_lost_likelihood_meets_a_falling_reward():
-    monitor = SpiralMonitor(window=5, nats=5.0)
-    warnings = [monitor.check(s, {"reward": r, "lld/displacement_correct": d})
+    warning = SpiralMonitor(window=5, nats=5.0)
+    warnings = [warning.check(s, {"reward": r, "lld/correct_displacement": d})
                 for s, (r, d) in enumerate(zip(SPIRAL_REWARDS, SPIRAL_DISPLACEMENTS), 1)]
     # step 11 has lost 8 nats over steps 7-11, but its mean reward 0.40 is not below 0.7 x 0.5;
     # step 12: 10 nats over steps 8-12, mean reward 0.32
@@ -38,7 +42,7 @@ def test_a_spiral_warns_when_the_lost_likelihood_meets_a_falling_reward():
 def test_losing_likelihood_while_reward_rises_is_not_a_warning():
     # what plain GRPO's seeds 2-4 did in the study: displaced every step, and went on learning
     rewards = [min(0.05 * s, 0.8) for s in range(1, 41)]
-    assert feed(SpiralMonitor(), rewards, [-3.0] * 40) == []
+    assert feed(SpiralMonitor(), rewards, [3.0] * 40) == []
 
 
 def noisy_flat_run(dip_at: int, loss_at: int) -> tuple[list, list]:
@@ -48,9 +52,9 @@ def noisy_flat_run(dip_at: int, loss_at: int) -> tuple[list, list]:
     step for 5 steps from `loss_at`."""
     rng = random.Random(0)
     rewards = [min(max(rng.gauss(0.4, 0.05), 0.0), 1.0) for _ in range(300)]
-    displacements = [rng.gauss(0.0, 1.5) if rng.random() < 0.9 else None for _ in range(300)]
+    displacements = [-rng.gauss(0.0, 1.5) if rng.random() < 0.9 else None for _ in range(300)]
     rewards[dip_at - 1:dip_at + 4] = [0.1] * 5
-    displacements[loss_at - 1:loss_at + 4] = [-3.0] * 5
+    displacements[loss_at - 1:loss_at + 4] = [3.0] * 5
     return rewards, displacements
 
 
@@ -66,9 +70,9 @@ def test_a_non_finite_gradient_norm_is_reported_at_once(norm):
 
 
 def test_the_displacement_is_read_in_one_place():
-    # logged as after - before: -3 means the correct responses lost 3 nats; None: none sampled
-    assert lost_nats({"lld/displacement_correct": -3.0}) == 3.0
-    assert lost_nats({"lld/displacement_correct": None}) == lost_nats({}) == 0.0
+    # d = before - after: 3 means the correct responses lost 3 nats; None: none sampled
+    assert lost_nats({"lld/correct_displacement": 3.0}) == 3.0
+    assert lost_nats({"lld/correct_displacement": None}) == lost_nats({}) == 0.0
 
 
 def test_a_resumed_monitor_warns_where_an_unbroken_one_does():
@@ -108,3 +112,44 @@ def test_the_replay_prints_one_line_per_run(capsys):
     assert "warning compare-grpo-s6: first 11, breakdown 13" in lines
     assert "warning lab-lr1e-5-u4-grpo-s1000: first none, breakdown none" in lines
     assert sum(l.startswith("warning ") for l in lines) == 68
+
+
+def test_rollout_stats_mean_log_likelihood_of_correct_and_incorrect_responses():
+    from types import SimpleNamespace
+    ep = lambda em, q: {"em": em, "f1": em, "n_search": 1, "n_valid": 1, "finished": True,  # noqa: E731
+                        "queries": [q], "golds": ["Orvale"], "text": f"<information>{q} Orvale</information>"}
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    old = torch.tensor([[9., -1., -3., 9.], [9., -2., -2., -5.], [9., -4., 9., 9.], [9., 9., 9., 9.]])
+    out = SimpleNamespace(episodes=[ep(1.0, "a"), ep(0.0, "a"), ep(0.0, "b"), ep(0.0, "a")],
+                          loss_mask=mask, logp=old.clone())
+    stats = monitor.rollout_stats(out, old, torch.tensor([1., 0., 0., 0.]), torch.tensor([0, 0, 0, 0]))
+    # correct: row 0, mean(-1, -3) = -2. incorrect with tokens: rows 1, 2 -> mean(-3, -4) = -3.5
+    # (row 3 has no model tokens and is left out). Pairs (0,1), (0,2), (0,3): one shares "a" with
+    # a row that has tokens, row 3 also searched "a" -> 2 of 3.
+    assert stats["lld/logp_correct"] == -2.0 and stats["lld/logp_incorrect"] == -3.5
+    assert stats["lld/shared_first_search"] == pytest.approx(2 / 3)
+    assert stats["search/answer_in_passages"] == 1.0 and stats["search/unique_queries"] == 2   # "a", "b"
+    assert stats["rollout/logp_diff"] == 0.0 and stats["reward"] == 0.25
+
+
+def test_displacement_splits_into_search_turns_and_the_answer_turn():
+    # row 0 correct: turns at 1-2 (search) and 4-5 (answer, <answer> on 5); row 1 correct, no answer; row 2 wrong
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    answer = torch.tensor([[0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6], dtype=torch.float32)
+    old = torch.zeros(3, 6)
+    after = torch.tensor([[9., -1., -2., 9., 0.5, -3.], [9., 1., 1., -4., 9., 9.], [5.] * 6])
+    batch = {"loss_mask": mask, "answer_mask": answer, "old_logp": old}
+    out, change = monitor.displacement(batch, after, torch.tensor([True, True, False]))
+    assert torch.equal(change, torch.where(mask.bool(), after, 0.0))
+    # d = before - after. Row 0: search 3, answer 2.5 (total 5.5 nats lost); row 1: search 2,
+    # answer 0 (total 2)
+    assert out["lld/correct_displacement"] == pytest.approx(3.75)
+    assert out["lld/correct_displacement_search"] == pytest.approx(2.5)
+    assert out["lld/correct_displacement_answer"] == pytest.approx(1.25)
+    assert out["lld/correct_frac_lost"] == 1.0
+
+
+def test_the_spiral_flags_default_to_the_monitor_the_study_replays():
+    # experiments/lld_study/spiral_replay.py measures SpiralMonitor() with its own defaults
+    cfg, warning = train.Config(), monitor.SpiralMonitor()
+    assert (cfg.spiral_window, cfg.spiral_nats) == (warning.window, warning.nats)

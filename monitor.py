@@ -1,0 +1,139 @@
+"""monitor.py: the LLD monitor. What a training step did to its correct responses (`lld/*`: the
+phenomenon, where `llds/*` describe the regulariser), and the death-spiral warning train.py prints
+and logs as `lld/warning` (1 or 0).
+
+Displacement has llds.py's sign everywhere: d = log pi_old - log pi_theta, > 0 where a token lost
+likelihood. `lld/correct_displacement` is the mean over the step's correct responses of their
+summed d after all the step's updates (exactly 0 at unchanged weights); `_search` / `_answer` split
+it between the turns before the answer turn and the answer turn (the paper's figure 5).
+
+The paper's spiral has three phases (Deng et al., arXiv 2512.04220, figure 2): I. reward rises
+while the correct responses' likelihood stays flat; II. that likelihood falls slowly, reward still
+rises, entropy creeps up; III. the likelihood drops sharply, the gradient norm explodes, entropy
+surges and reward collapses.
+
+The warning's rule: warn at a step when the correct responses lost more than `nats` of
+log-likelihood over the last `window` steps' updates (their displacement, summed: gains offset
+losses) while the `window`-step mean training reward is below 0.7 of its best earlier `window`-step
+mean. That is phase II's likelihood loss met by phase III's first fall of reward; defaults 5 steps,
+5 nats.
+
+Why not phase II alone, nor phase III's other signs: in the LLD study, plain-GRPO runs that kept
+learning displaced their correct responses as much as the two that broke down, entropy fell in
+one that broke down, and a broken-down run has no gradient at all (every group tied at 0). The
+rule was chosen on part of the committed runs and checked on the rest by replaying their
+metrics.jsonl through this class: experiments/lld_study/spiral_replay.py, `make study`.
+
+Also reported, as a fact rather than a forecast: a non-finite gradient norm (that update was
+skipped). A step without a correct response displaces none; with --displacement-every 0 (or N > 1)
+the displacement is missing on the steps without it and the rule sees less.
+"""
+import math
+import statistics
+
+import torch
+from tqdm import tqdm
+
+from llds import action_ids
+from plumbing.search_health import search_health
+from rollout import normalize_answer
+
+REWARD_FRACTION = 0.7      # of the best earlier window's mean reward: below it, reward is falling
+
+
+def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
+    """The rollout's numbers; lld/logp_(in)correct: the mean over (in)correct responses of their
+    mean token log-likelihood under the rollout policy. old_logp (N, T)."""
+    eps, mask = ro_out.episodes, ro_out.loss_mask
+    n_tok = mask.sum(1)                                                            # (N,)
+    per_response = torch.where(mask.bool(), old_logp, 0.0).sum(1) / n_tok.clamp(min=1)   # (N,)
+    right, wrong = (rewards > 0) & (n_tok > 0), (rewards <= 0) & (n_tok > 0)
+    n_actions = max(int(action_ids(mask).amax(dim=1).sum()), 1)
+    return {
+        "reward": rewards.mean().item(),
+        "em": statistics.fmean(e["em"] for e in eps),
+        "f1": statistics.fmean(e["f1"] for e in eps),
+        "response_length": n_tok.mean().item(),
+        "searches": statistics.fmean(e["n_search"] for e in eps),
+        "valid_action_ratio": sum(e["n_valid"] for e in eps) / n_actions,
+        "finished": statistics.fmean(float(e["finished"]) for e in eps),
+        "lld/logp_correct": per_response[right].mean().item() if right.any() else None,
+        "lld/logp_incorrect": per_response[wrong].mean().item() if wrong.any() else None,
+        # frac_reward_zero_std, search/*: plumbing/search_health.py
+        **search_health(eps, rewards, group_ids, normalize_answer),
+        # the KV-cache decode's log-probs against the forward's
+        "rollout/logp_diff": (torch.where(mask.bool(), (ro_out.logp - old_logp).abs(), 0.0).sum()
+                              / n_tok.sum().clamp(min=1)).item(),
+    }
+
+
+DISPLACEMENT = ("lld/correct_displacement", "lld/correct_frac_lost",
+                "lld/correct_displacement_search", "lld/correct_displacement_answer")
+
+
+def displacement(batch: dict, after, correct) -> tuple[dict, torch.Tensor]:
+    """What the step's updates did to its correct responses (correct: (N,) bool), from their
+    log-probs before (batch["old_logp"]) and after (N, T) -> (the lld/*displacement metrics,
+    None without a correct response; change (N, T): after - before per model token, the token
+    view's colours)."""
+    change = torch.where(batch["loss_mask"].bool(), after - batch["old_logp"], 0.0)   # (N, T)
+    if not correct.any():
+        return dict.fromkeys(DISPLACEMENT), change
+    idx = torch.nonzero(correct).flatten()
+    d = -change[idx]                                                  # (C, T) log pi_old - log pi
+    turn = action_ids(batch["loss_mask"][idx])                                     # (C, T)
+    answer_turn = (turn * batch["answer_mask"][idx].bool()).amax(1, keepdim=True)  # (C, 1)
+    in_answer = (turn == answer_turn) & (answer_turn > 0)
+    values = [d.sum(1).mean(), (d.sum(1) > 0).float().mean(),              # the paper's Fig. 5:
+              d.masked_fill(in_answer, 0.0).sum(1).mean(),                 # the turns before,
+              d.masked_fill(~in_answer, 0.0).sum(1).mean()]                # the answer turn
+    return dict(zip(DISPLACEMENT, torch.stack(values).tolist())), change
+
+
+def lost_nats(metrics: dict) -> float:
+    """Summed log-likelihood the step's updates took from its correct responses (mean over them;
+    > 0 = lost; 0 when the step had none)."""
+    return metrics.get("lld/correct_displacement") or 0.0
+
+
+class SpiralMonitor:
+    """The rule above, one step at a time. `history` (checkpointed as state["monitor"]) holds the
+    last `window` losses and rewards and the best window mean so far; an older checkpoint's
+    history (other keys) is dropped, and the rule waits for a full window again."""
+
+    def __init__(self, window: int = 5, nats: float = 5.0, history: dict | None = None):
+        self.window, self.nats = window, nats
+        kept = {k: v for k, v in (history or {}).items() if k in ("lost", "reward", "best")}
+        self.history = {"lost": [], "reward": [], "best": None, **kept}
+
+    def warn(self, step: int, metrics: dict) -> int:
+        """check(), printing each warning above the progress bar; 1 if there was one, else 0."""
+        warnings = self.check(step, metrics)
+        for text in warnings:
+            tqdm.write("LLD WARNING " + text)
+        return int(bool(warnings))
+
+    def check(self, step: int, metrics: dict) -> list[str]:
+        """The warnings of this step (a list of sentences, empty when all is well)."""
+        warnings, h = [], self.history
+        norm = metrics.get("grad_norm_max")
+        if norm is not None and not math.isfinite(norm):
+            warnings.append(f"step {step}: gradient norm {norm}; the update was skipped "
+                            "(skipped_steps)")
+        if metrics.get("reward") is None:          # not a training step: no window moves
+            return warnings
+        h["lost"] = (h["lost"] + [lost_nats(metrics)])[-self.window:]
+        h["reward"] = (h["reward"] + [metrics["reward"]])[-self.window:]
+        if len(h["reward"]) < self.window:
+            return warnings
+        lost, mean = sum(h["lost"]), statistics.fmean(h["reward"])
+        best = h["best"]
+        # best is over earlier windows only, so the window that falls is never its own yardstick
+        if best and lost > self.nats and mean < REWARD_FRACTION * best:
+            warnings.append(
+                f"step {step}: correct responses lost {lost:.1f} nats of log-likelihood over "
+                f"{self.window} steps while mean reward fell to {mean:.3f} (best {best:.3f}): "
+                "lazy likelihood displacement turning into collapse (LLDS guards against it: "
+                "--llds, or a larger --llds-lambda)")
+        h["best"] = max(best or 0.0, mean)
+        return warnings

@@ -8,7 +8,6 @@ passages it got back (shortened to a line each), and its answer. Coloured on a t
 text in a pipe. The episode settings are the run's own (its config.json) when --model names a
 train.py run, else train.py's defaults; any of them can be given as a flag (--topk 3, ...).
 """
-import argparse
 import dataclasses
 import json
 import re
@@ -19,7 +18,7 @@ import data
 import retriever
 import rollout
 import train
-from plumbing import fast_hf, runs
+from plumbing import checkpoints, fast_hf, runs
 from plumbing.cli import OneLineParser, add_config_flags, ranged
 from plumbing.models import load_policy
 
@@ -81,7 +80,7 @@ def main(argv=None) -> None:
     with runs.user_errors_exit(Path(".")):
         corpus = data.corpus_for([cfg.data], search, corpus)
         engine = retriever.open_retriever(search, corpus=corpus, index=cfg.index or None)
-        model, tokenizer = load_policy(runs.resolve_model(model_path))
+        model, tokenizer = load_policy(checkpoints.resolve_model(model_path))
         fast_hf.use_fast_attention(model)
         record = {"id": "asked", "question": question, "golds": [], "data_source": "asked"}
         out = rollout.rollout(model, tokenizer, [record], engine, episode_cfg)

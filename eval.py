@@ -37,8 +37,9 @@ from plumbing import fast_hf, memory
 from plumbing.scores import cover_em, format_sampled, sampled_scores
 from plumbing.search_health import answer_in_passages
 from plumbing.models import load_policy
-from plumbing.reports import format_header, format_table, write_outputs
-from plumbing.runs import resolve_model, user_errors_exit
+from plumbing.eval_tables import format_header, format_table, write_outputs
+from plumbing.checkpoints import resolve_model
+from plumbing.runs import user_errors_exit
 from retriever import open_retriever
 
 MODES = ("search", "rag", "direct")

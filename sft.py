@@ -27,7 +27,7 @@ import data
 import retriever
 import rollout
 from eval import heldout_eval
-from plumbing import fast_hf, runs
+from plumbing import checkpoints, fast_hf, runs
 from plumbing.cli import OneLineParser, add_config_flags, check_ranges, flag
 from plumbing.models import load_policy
 from plumbing.scripted import ScriptedPolicy
@@ -186,8 +186,8 @@ def warm_start(cfg: Config) -> dict:
     bar.close()
 
     # 3. Save the warm-started model, then score it as RL will start from it.
-    need = runs.tensor_bytes(model.parameters()) + 2**24
-    with runs.written_whole(out_dir / "model", need, "the SFT model", manifest=False) as tmp:
+    need = checkpoints.tensor_bytes(model.parameters()) + 2**24
+    with checkpoints.written_whole(out_dir / "model", need, "the SFT model", manifest=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     summary = {"script_em": script_em, "heldout_loss": metrics["heldout_loss"]}

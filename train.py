@@ -34,13 +34,15 @@ import retriever
 import rollout
 from eval import heldout_eval
 from llds import GATES, REDUCTIONS, action_ids, answer_weight, llds_loss, preserving_responses
-from plumbing import fast_hf, memory, memory_plan, report, runs, token_view
+from plumbing import checkpoints, fast_hf, memory, memory_plan, run_log, runs, token_view
 from plumbing.cli import check_config, flag, parse_train_args
 from plumbing.dynamic_sampling import replace_rows
 from plumbing.models import (AdapterOff, frozen_in_bf16, load_policy, place_for_training,
                               reference_copy, with_lora)
 from plumbing.plots import plot_runs
 from plumbing.presets import PRESETS
+from plumbing.sampler import PromptSampler
+from plumbing.summary import final_report
 
 # ---- Configuration -------------------------------------------------------------------------
 # Every field is a flag (--llds-lambda, --no-llds, ...): its help text, then what it accepts.
@@ -228,7 +230,7 @@ def logprob_pass(model, batch, minibatches, cfg, device):
     -> two (N, T) float32 on the CPU, aligned with batch["input_ids"], 0 in rows not run."""
     logp, entropy = torch.zeros(batch["loss_mask"].shape), torch.zeros(batch["loss_mask"].shape)
     with fast_hf.prefix_once(model, batch["input_ids"], batch["attention_mask"],
-                             not cfg.grad_checkpointing) as policy:
+                             enabled=not cfg.grad_checkpointing) as policy:
         for micro in (micro for mini in minibatches for micro in mini):
             mb = micro_batch(batch, micro, device)
             with fast_hf.autocast(device, cfg.bf16):
@@ -303,7 +305,7 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
         # The prompt prefix all rows share runs once per mini-batch (plumbing/fast_hf.py); its
         # share of the gradient is added on leaving the `with`, before the clip.
         with fast_hf.prefix_once(model, batch["input_ids"], batch["attention_mask"],
-                                 not cfg.grad_checkpointing) as policy:
+                                 enabled=not cfg.grad_checkpointing) as policy:
             for micro in mini:
                 mb = micro_batch(batch, micro, run.device)
                 mask, adv, old_logp = mb["loss_mask"], mb["advantages"], mb["old_logp"]
@@ -363,7 +365,7 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
                                        records, action_ids(batch["loss_mask"]),
                                        functools.partial(llds_loss, gate=cfg.llds_gate))
     metrics.update(phases.timing(out))     # timing/*, tokens per second, decode occupancy
-    runs.write_samples(run.dir / "samples" / f"step_{step:04d}.txt", records, out.episodes,
+    run_log.write_samples(run.dir / "samples" / f"step_{step:04d}.txt", records, out.episodes,
                        cfg.samples_per_step)
     return metrics
 
@@ -416,11 +418,11 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
     -> {"before": eval metrics at step 0, "after": at the end, "last": the last step's metrics}"""
     cfg = dataclasses.replace(cfg, name=runs.run_name(cfg.out_dir, cfg.name, cfg.resume))
     run = setup(cfg, model, tokenizer)
-    state = runs.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)
+    state = checkpoints.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
-    sampler = runs.PromptSampler(run.train_records, cfg.seed, **state["sampler"])
+    sampler = PromptSampler(run.train_records, cfg.seed, **state["sampler"])
     warning = monitor.SpiralMonitor(cfg.spiral_window, cfg.spiral_nats, state["monitor"])
-    log = report.open_run_log(run.dir, cfg, start, run.device, len(run.eval_records))
+    log = run_log.open_run_log(run.dir, cfg, start, run.device, len(run.eval_records))
     eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
     held_out = functools.partial(heldout_eval, run.model, run.tokenizer, run.eval_records,
                                  run.retriever, eval_cfg, cfg.eval_samples)
@@ -448,18 +450,18 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
         log(metrics)
         bar.set_postfix(runs.postfix(metrics))
         if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-            runs.save_checkpoint(run.dir, step, run.model, run.tokenizer, run.optimizer,
+            checkpoints.save_checkpoint(run.dir, step, run.model, run.tokenizer, run.optimizer,
                                  keep=cfg.keep_ckpts, state={
                                      "sampler": sampler.state(), "skipped_steps": skipped,
                                      "evals": evals, "monitor": warning.history})
     bar.close()
     log.close()
     if cfg.save_bf16:
-        runs.export_bf16(run.dir / "model-bf16", run.model, run.tokenizer)
+        checkpoints.export_bf16(run.dir / "model-bf16", run.model, run.tokenizer)
     plot_runs([run.dir])
     summary = {"before": evals.get("before"), "after": evals.get("after"), "last": metrics,
                "peak_memory_gb": memory.peak_memory_gb(run.device)}
-    print(runs.final_report(run.dir, summary))
+    print(final_report(run.dir, summary))
     return summary
 
 

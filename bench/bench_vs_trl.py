@@ -53,7 +53,7 @@ def policy(tiny: bool):
 def questions(n: int) -> list[dict]:
     """The questions train.py draws for its first steps (same sampler, seed 0)."""
     import data
-    from plumbing.runs import PromptSampler
+    from plumbing.sampler import PromptSampler
     return PromptSampler(data.load_questions("toy_nq", split="train"), seed=0).next(n)
 
 

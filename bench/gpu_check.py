@@ -30,7 +30,7 @@ live. The phases, each printed and written to the JSON report (--json) as soon a
 6. decode: step 2's milliseconds per decode step against the bytes it must read (bf16 weights and
    the KV cache) at the measured bandwidth, and host syncs per decode step (CUDA's sync debug mode);
 7. eval: the held-out evaluation of 4 questions, 1 search turn;
-8. checkpoint, export: runs.save_checkpoint and runs.export_bf16, timed, sized, deleted at once.
+8. checkpoint, export: checkpoints.save_checkpoint and checkpoints.export_bf16, timed, sized, deleted at once.
 
 A phase that would not finish inside --budget seconds is skipped, named, and the report still
 written. A model that fails (an OOM, say) is recorded with its error, and the fallback
@@ -168,7 +168,7 @@ def machine(device: torch.device, folder: Path) -> dict:
         except (OSError, subprocess.SubprocessError) as e:
             info["driver"] = f"nvidia-smi failed: {e}"
     else:
-        from plumbing.runs import cpu_model
+        from plumbing.run_log import cpu_model
         info["cpu"] = cpu_model()
     return info
 
@@ -354,7 +354,7 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
     import rollout
     import train
     from eval import heldout_eval
-    from plumbing import fast_hf, memory_plan, runs
+    from plumbing import checkpoints, fast_hf, memory_plan, sampler
     from plumbing.tokens import encode_in_text
 
     tag = phase_prefix(model_name, args)
@@ -417,7 +417,7 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
         **{f"plan {k} GiB": v / GIB for k, v in planned.items()}})
 
     # 4. two steps at lr 0
-    sampler = runs.PromptSampler(run.train_records, cfg.seed)
+    sampler = sampler.PromptSampler(run.train_records, cfg.seed)
     real_rollout, real_monitor, seen = rollout.rollout, train.monitor_step, {}
 
     def monitor(step, cfg_, run_, out, records, batch_, minibatches, phases):
@@ -463,9 +463,9 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
     report.guarded(f"{tag} eval", 0.5 * metrics["timing/rollout"] + 10, evaluate)
     # checkpoint and export, each deleted once measured (the disk writes 500 MB/s at worst)
     for name, need, write in [
-            ("checkpoint", 12 * shape.parameters(), lambda: runs.save_checkpoint(
+            ("checkpoint", 12 * shape.parameters(), lambda: checkpoints.save_checkpoint(
                 run.dir, 1, run.model, run.tokenizer, run.optimizer, state={}, keep=1)),
-            ("export", 2 * shape.parameters(), lambda: runs.export_bf16(
+            ("export", 2 * shape.parameters(), lambda: checkpoints.export_bf16(
                 run.dir / "model-bf16", run.model, run.tokenizer))]:
         if why := room_for(work, need):
             report.skip(f"{tag} {name}", why)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from plumbing.runs import cpu_model  # noqa: E402
+from plumbing.run_log import cpu_model  # noqa: E402
 
 EM_LINE = re.compile(r"held-out EM: before ([\d.]+) -> after ([\d.]+) \((\d+) questions: (\d+) turned "
                      r"right, (\d+) turned wrong; sign test p = ([\d.e+-]+)\)")
@@ -76,13 +76,14 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("runs/lora-vs-full"))
     parser.add_argument("--base", type=Path, help="a checkout of an older commit (its own .venv)")
     parser.add_argument("--base-seeds", type=int, nargs="*", default=[0, 1])
+    parser.add_argument("--arms", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"
     done = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
     for seed in args.seeds:
         arms = ["base"] if args.base and seed in args.base_seeds else []
-        for arm in arms + ["full", "lora"]:
+        for arm in arms + args.arms:
             if any(r["arm"] == arm and r["seed"] == seed for r in done):
                 continue
             row = one_run(arm, seed, args.lora_lr, args.out.resolve(),

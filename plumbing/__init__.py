@@ -10,15 +10,20 @@ anything: each module says what it speeds up or takes care of.
                   rollout's batch of episodes sharing one KV cache
     tokens.py     token-level details of forced text and of the answer span
     fewshot.py    the text of the "fewshot" prompt's worked examples, and of eval.py's rag / direct prompts
-    models.py     loading a policy; converting the embedded SmolLM2 GGUF once into an HF folder;
-                  the KL reference copy; the policy placed for training; tiny models built in code
+    models.py     loading a policy (families it cannot run refused first); converting the embedded
+                  SmolLM2 GGUF once into an HF folder; LoRA adapters (peft) and the KL reference
+                  (a copy, or the adapter off); the policy placed for training; tiny models of each
+                  family built in code
     memory.py     allocator settings (CUDA's, glibc's, oneDNN's caches) and peak-memory readings
-    runs.py       run folders: what train.py's setup() returns (Run), the device, seeds,
-                  checkpoints and RNG state, the model folder eval.py finds in a run, metrics log,
-                  samples, prompt sampler, a micro-batch's rows, phase timing and what the progress
-                  bar says of it, the step's mini- and micro-batches and their logged means, AdamW
-                  as each device wants it, a user error, a signal or a full disk in one line,
-                  checkpoints written whole and checked on --resume
+    runs.py       the run around the step: what setup() returns (Run), the device, the run's
+                  folder and name, seeds, AdamW, a signal or user error in one line, phase timing
+                  and the progress bar, the step's logged means of its micro-batch values
+    checkpoints.py  checkpoints written whole and found again by --resume, RNG state, the bf16
+                  export, the model folder eval.py and ask.py find in a run
+    run_log.py    a train.py run's log files (config.json, machine.json, metrics.jsonl, samples);
+                  --report-to: metrics.jsonl's numbers also sent to TensorBoard and/or W&B
+    summary.py    the lines a run ends with: EM before and after, the sign test, the verdict
+    sampler.py    the prompt sampler, reshuffled each epoch, resumable
     search_health.py  per-step health of search and groups: answer in passages, unique queries,
                   tied groups, correct/incorrect pairs sharing the first search
     token_view.py the token-level view of a step (views/*.html, *.jsonl) and its index page
@@ -26,8 +31,6 @@ anything: each module says what it speeds up or takes care of.
     scores.py     cover-EM, pass@k, avg@k / pass@k with bootstrap intervals
     memory_plan.py  --plan: what a run will hold in memory, from the model's config
     presets.py    train.py's --preset settings: the paper's, one GPU's, the LLD lab's
-    report.py     a train.py run's log files (config.json, machine.json, metrics.jsonl); --report-to:
-                  metrics.jsonl's numbers also sent to TensorBoard and/or W&B
     plots.py      training curves of one run, or several overlaid
     cli.py        `flag()` config fields -> argparse flags with their --help and values held to
                   each field's declared range; the fields two config classes share; one-line
@@ -39,7 +42,7 @@ anything: each module says what it speeds up or takes care of.
     server.py     the hardened HTTP server behind `retriever.py serve` (concurrent requests
                   batched into one search), and the query rules every retriever backend shares
     retriever_cli.py  `retriever.py index | search | serve`: the flags and what each command runs
-    reports.py    eval.py's tables and output files
+    eval_tables.py  eval.py's tables and output files
     long_prompts.py  prompts over max_prompt_tokens, found and dropped (or refused) at load, or
                   refused by rollout()
     scripted.py   a Python function that writes each model turn, dressed as an HF causal LM so

@@ -172,7 +172,7 @@ def check_config(cfg, choices: dict[str, tuple[str, ...]]) -> None:
         raise ValueError(f"--answer-coef must be a number >= 0 or inf (no LLDS-MA), not {cfg.answer_coef!r}")
     import torch
 
-    from plumbing.report import check_report_to
+    from plumbing.run_log import check_report_to
 
     check_report_to(cfg.report_to)
     if cfg.device == "cuda" and not torch.cuda.is_available():

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from plumbing import fast_hf, memory, models, runs
+from plumbing import checkpoints, fast_hf, memory, models, runs
 from plumbing.search_health import shared_first_search
 from plumbing.tokens import answer_token_span
 from conftest import tiny_policy
@@ -83,10 +83,10 @@ def test_only_the_newest_checkpoint_keeps_the_optimizer_state(tmp_path):
     model, tokenizer = tiny_policy()
     optimizer = runs.adamw(model.parameters(), 1e-3, 0.0, torch.device("cpu"))
     for step in (1, 2, 3):
-        runs.save_checkpoint(tmp_path, step, model, tokenizer, optimizer, state={}, keep=2)
+        checkpoints.save_checkpoint(tmp_path, step, model, tokenizer, optimizer, state={}, keep=2)
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-2", "ckpt-3"]
     assert (tmp_path / "ckpt-3" / "optimizer.pt").exists() and not (tmp_path / "ckpt-2" / "optimizer.pt").exists()
-    assert (tmp_path / "ckpt-2" / "config.json").exists() and runs.find_checkpoint(tmp_path).name == "ckpt-3"
+    assert (tmp_path / "ckpt-2" / "config.json").exists() and checkpoints.find_checkpoint(tmp_path).name == "ckpt-3"
 
 
 def tiny_kv_run(model):
@@ -183,7 +183,7 @@ def test_the_bf16_export_is_an_hf_folder_of_the_rounded_weights(tmp_path, tied):
     from transformers import AutoModelForCausalLM
 
     model, tokenizer = tiny_policy(tie_word_embeddings=tied)
-    folder = runs.export_bf16(tmp_path / "model-bf16", model, tokenizer)
+    folder = checkpoints.export_bf16(tmp_path / "model-bf16", model, tokenizer)
     auto = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")   # what other tools do: config says bf16
     loaded, tok = models.load_policy(str(folder), dtype=torch.bfloat16)  # what eval.py does
     assert auto.dtype == loaded.dtype == torch.bfloat16 and tok("ab")["input_ids"] == tokenizer("ab")["input_ids"]

@@ -17,7 +17,7 @@ import torch
 
 import train
 from conftest import tiny_policy
-from plumbing import reports, runs
+from plumbing import checkpoints, eval_tables, runs
 from test_train import step_lines, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_a_disk_too_full_for_a_checkpoint_stops_in_one_line_and_keeps_the_one_be
     cfg = tiny_config(tmp_path, steps=3, ckpt_every=1, eval_size=0)
     run = tmp_path / "run"
     disk = Disk(free=10_000, from_call=1)                 # room for the first checkpoint only
-    monkeypatch.setattr(runs.shutil, "disk_usage", disk)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", disk)
     with pytest.raises(SystemExit) as e:
         with runs.user_errors_exit(run):
             train.train(cfg, *tiny_policy())
@@ -153,7 +153,7 @@ def test_a_disk_that_fills_while_torch_writes_ends_in_one_line(tmp_path, monkeyp
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(runs.shutil, "disk_usage", disk)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", disk)
     monkeypatch.setattr(torch, "save", fills)
     with pytest.raises(SystemExit) as e:
         with runs.user_errors_exit(run):
@@ -173,14 +173,14 @@ def test_evaluation_outputs_are_whole_or_absent(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(src, dst)
 
-    monkeypatch.setattr(reports.os, "replace", dies_on_the_second)
-    monkeypatch.setattr(reports, "format_table", lambda r: "table")
-    monkeypatch.setattr(reports, "format_header", lambda s: "header")
+    monkeypatch.setattr(eval_tables.os, "replace", dies_on_the_second)
+    monkeypatch.setattr(eval_tables, "format_table", lambda r: "table")
+    monkeypatch.setattr(eval_tables, "format_header", lambda s: "header")
     with pytest.raises(KeyboardInterrupt):
-        reports.write_outputs(tmp_path, {"search": ({}, result)})
+        eval_tables.write_outputs(tmp_path, {"search": ({}, result)})
     assert (tmp_path / "predictions.jsonl").exists() and not (tmp_path / "results.json").exists()
-    monkeypatch.setattr(reports.os, "replace", real)
-    reports.write_outputs(tmp_path, {"search": ({}, result)})
+    monkeypatch.setattr(eval_tables.os, "replace", real)
+    eval_tables.write_outputs(tmp_path, {"search": ({}, result)})
     assert json.loads((tmp_path / "results.json").read_text())["search"]["all"] == {}
 
 

@@ -10,12 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import train
-from plumbing import fast_hf, models, runs
+from plumbing import checkpoints, fast_hf, models
 from conftest import tiny_policy
-from test_train import params, step_lines, tiny_config
+from test_train import step_lines, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TIMING = ("timing/", "rollout_tokens_per_s", "memory/", "rollout/occupancy")
 
 
 def saved_policy(tmp_path, **shape):
@@ -84,34 +83,6 @@ def test_lr_0_gives_exactly_0_on_every_path(tmp_path, alternating_rewards, monke
     assert (line["kl"] > 0) if lively else (line["kl"] == 0)
 
 
-def test_a_killed_lora_run_resumes_to_the_uninterrupted_metrics(tmp_path, alternating_rewards,
-                                                                 monkeypatch):
-    cfg = tiny_config(tmp_path, steps=3, kl_coef=0.05, eval_size=0, lora_rank=4, lr=5e-2)
-    model, tokenizer = tiny_policy()
-    train.train(dataclasses.replace(cfg, name="full"), model, tokenizer)
-    full = params(model)
-    real_step = train.train_step
-
-    def killed_at_step_3(step, *args, **kwargs):
-        if step == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return real_step(step, *args, **kwargs)
-
-    monkeypatch.setattr(train, "train_step", killed_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train.train(dataclasses.replace(cfg, name="cut"), *tiny_policy())
-    monkeypatch.setattr(train, "train_step", real_step)
-    model, tokenizer = tiny_policy()
-    train.train(dataclasses.replace(cfg, name="cut", resume=True), model, tokenizer)
-    assert all(torch.equal(full[k], v) for k, v in params(model).items())
-
-    def kept(line):
-        return {k: v for k, v in line.items() if not k.startswith(TIMING)}
-    full_lines, cut_lines = step_lines(tmp_path / "full"), step_lines(tmp_path / "cut")
-    assert [kept(l) for l in cut_lines] == [kept(l) for l in full_lines]
-    assert full_lines[2]["kl"] > 0 and any(l["llds/loss"] > 0 for l in full_lines)
-
-
 def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(tmp_path,
                                                                           alternating_rewards):
     base = saved_policy(tmp_path)
@@ -137,7 +108,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(tmp_pa
     with torch.no_grad():
         a, b = merged(ids).logits.float(), lora_model(ids).logits
     assert (a - b).abs().max() < 0.05 * b.abs().max()   # the same model, up to bf16 rounding
-    assert runs.resolve_model(str(tmp_path / "lora")) == str(lora)
+    assert checkpoints.resolve_model(str(tmp_path / "lora")) == str(lora)
 
 
 def test_eval_and_ask_take_a_lora_runs_folder(tmp_path, alternating_rewards):

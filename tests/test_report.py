@@ -1,4 +1,4 @@
-"""Tests for plumbing/report.py (--report-to): a tiny train() run sends metrics.jsonl to
+"""Tests for plumbing/run_log.py (--report-to): a tiny train() run sends metrics.jsonl to
 TensorBoard and W&B (offline), and each library's own files, read back with its own reader
 (TensorBoard's EventAccumulator, W&B's protobuf records in the offline run's .wandb file), hold
 the same numbers under the same names and steps, with the config as hyper-parameters."""
@@ -9,7 +9,7 @@ import struct
 import pytest
 
 import train
-from plumbing import report
+from plumbing import run_log
 from test_train import tiny_config
 from conftest import tiny_policy
 
@@ -124,19 +124,19 @@ def test_tensorboard_and_wandb_hold_the_numbers_of_metrics_jsonl(tmp_path, alter
 def test_a_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path, alternating_rewards, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from plumbing import runs
+    from plumbing import checkpoints
 
-    save = runs.save_checkpoint
+    save = checkpoints.save_checkpoint
 
     def killed_at_step_2(run_dir, step, *args, **kwargs):   # killed after logging step 2, before its checkpoint
         if step == 2:
             raise KeyboardInterrupt
         return save(run_dir, step, *args, **kwargs)
 
-    monkeypatch.setattr(runs, "save_checkpoint", killed_at_step_2)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", killed_at_step_2)
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny_config(tmp_path, report_to="tensorboard"), *tiny_policy())
-    monkeypatch.setattr(runs, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save)
     run = tmp_path / "run"
     train.train(tiny_config(tmp_path, report_to="tensorboard", resume=True), *tiny_policy())
     acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
@@ -157,5 +157,5 @@ def test_report_to_names_the_missing_package_in_one_line(tmp_path, monkeypatch):
 
 
 def test_report_to_values_follow_trl():
-    assert report.targets("none") == [] and report.targets("all") == ["tensorboard", "wandb"]
-    assert report.targets("tensorboard, wandb") == ["tensorboard", "wandb"]
+    assert run_log.targets("none") == [] and run_log.targets("all") == ["tensorboard", "wandb"]
+    assert run_log.targets("tensorboard, wandb") == ["tensorboard", "wandb"]

@@ -1,22 +1,27 @@
-"""--report-to (TRL's name and values): the metrics of <run>/metrics.jsonl also go, under the same
-names and steps, to TensorBoard (event files in the run folder, so `tensorboard --logdir runs`
-lists runs by name) and/or Weights & Biases, with the run's config as hyper-parameters.
+"""A train.py run's log: config.json, machine.json (the CPU, threads, versions), metrics.jsonl (a
+line a step, cut back to a checkpoint's step on --resume), sample trajectories, the line that
+describes the run at start; and --report-to (TRL's name and values): the metrics of metrics.jsonl
+also go, under the same names and steps, to TensorBoard (event files in the run folder, so
+`tensorboard --logdir runs` lists runs by name) and/or Weights & Biases, with the run's config as
+hyper-parameters.
 
 Both are optional dependencies: asking for one that is not installed is one clear error before
 any model loads (check_report_to). W&B runs offline when WANDB_MODE says so or no API key is
 set, and says where the offline run went and how to upload it. None values (a metric not
 measured this step, a non-finite number) are left out, as metrics.jsonl writes them as null.
-open_run_log starts a train.py run's log files: config.json, machine.json, metrics.jsonl.
 """
 import dataclasses
 import importlib.util
 import json
+import math
 import os
+import re
 import uuid
 from pathlib import Path
 
+import torch
+
 from plumbing import fast_hf
-from plumbing.runs import describe, json_safe, log_metrics, record_machine
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0"}   # pinned in requirements-test.txt
@@ -133,3 +138,96 @@ def open_wandb(run_dir: Path, config: dict):
 def has_wandb_key() -> bool:
     netrc = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
     return bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+
+
+def json_safe(x):
+    """Non-finite floats -> None, in nested dicts too, so JSON files stay strict."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def log_metrics(run_dir: Path, metrics: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(json_safe(metrics)) + "\n")
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop log lines of steps after `step` (written by a run killed after its checkpoint)."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        kept = [m for m in metric_lines(run_dir) if m["step"] <= step]
+        write_atomic(path, "".join(json.dumps(m) + "\n" for m in kept))
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's lines; a line cut short by a kill while it was written is left out."""
+    path, lines = Path(run_dir) / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    return lines
+
+
+def write_samples(path: Path, records: list[dict], episodes: list[dict], n: int) -> None:
+    """A few (n; 0 = none, no file) full trajectories as readable text: half correct (when there are), half not."""
+    if not n:
+        return
+    correct = [i for i, e in enumerate(episodes) if e["reward"] > 0]
+    wrong = [i for i, e in enumerate(episodes) if e["reward"] <= 0]
+    chosen = correct[:n // 2]
+    chosen += wrong[:n - len(chosen)]
+    chosen += correct[len(correct[:n // 2]):][:n - len(chosen)]
+    blocks = []
+    for i in sorted(chosen):
+        e = episodes[i]
+        blocks.append(f"=== trajectory {i}  reward {e['reward']:.0f}  searches {e['n_search']}  "
+                      f"answer {e['answer']!r}  golds {e['golds']}\nQuestion: {records[i]['question']}\n"
+                      f"{e['text']}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(blocks))
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 instruction sets, e.g. "AMD EPYC 7B13 (avx2)"."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+        return platform.processor() or "unknown"
+    name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = set(re.search(r"^flags\s*:\s*(.*)$", info, re.M).group(1).split()) if "flags" in info else set()
+    kinds = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name.group(1).strip() if name else 'unknown'} ({', '.join(kinds) or 'no avx2'})"
+
+
+def record_machine(run_dir: Path, step: int, device, bf16: bool) -> None:
+    """Append to <run>/machine.json where (CPU, threads) and in which precision the steps
+    from `step` on run: runs of different precision must never be pooled."""
+    path = run_dir / "machine.json"
+    history = json.loads(path.read_text()) if path.exists() else []
+    history = [h for h in history if h["from_step"] < step]
+    history.append({"from_step": step, "device": str(device), "bf16_autocast": bool(bf16),
+                    "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None})
+    write_atomic(path, json.dumps(history, indent=1))
+
+
+def describe(cfg, device, n_eval: int, bf16: bool) -> str:
+    """The one-line summary of a run's setting printed at its start."""
+    llds = f"lambda {cfg.llds_lambda:g}, {cfg.llds_gate} gate" if cfg.llds and cfg.llds_lambda else "off"
+    where = f"cpu ({cpu_model()})" if device.type == "cpu" else str(device)
+    return (f"device {where}, bf16 autocast {bf16}; "
+            f"{cfg.prompts_per_step} prompts x {cfg.group_size} rollouts, "
+            f"{cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size} optimizer steps per step; "
+            f"LLDS {llds}; eval: {n_eval} held-out questions, greedy, {cfg.eval_max_turns} "
+            f"search turns, retriever {cfg.retriever} top-{cfg.topk}")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from plumbing.runs import json_safe
+from plumbing.run_log import json_safe
 from plumbing.scores import format_sampled
 
 

@@ -59,7 +59,8 @@ class Config:
     bf16: bool = flag(True, "bf16 autocast (fp32 weights) where the device has bf16 units")
     grad_checkpointing: bool = flag(False, "recompute activations in backward (GPU memory)")
     lora_rank: int = flag(0, "LoRA (peft) rank on every attention and MLP linear layer; 0 = full "
-                          "fine-tuning. LoRA wants about 10x full fine-tuning's --lr", ">= 0")
+                          "fine-tuning. LoRA wants about 10x full fine-tuning's --lr: its "
+                          "update starts at 0 and lives in a rank-R subspace", ">= 0")
     lora_alpha: float = flag(32.0, "LoRA's alpha: the adapter's update is scaled by alpha / rank",
                              "> 0")
     # data and search

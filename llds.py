@@ -116,7 +116,7 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
         d_value = torch.where(valid, d, 0.0)                     # (B, T) float32, clean, no grad
         n_tok = valid.sum(dim=1)                                 # (B,) model tokens
         preserving = preserving_responses(advantages, loss_mask)    # (B,) bool
-        starts = _run_starts(valid)                              # (B, T) bool: actions' first tokens
+        starts = _run_starts(valid)                              # (B, T) bool: actions' starts
         # The gate: which tokens may pay. "action": the actions of preserving responses numbered
         # 1..N across the batch (0: everything else), d summed per action with one index_add, the
         # sign looked back up per token. "response": one sum per response. "token": no gate.

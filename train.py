@@ -367,7 +367,7 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
                                        functools.partial(llds_loss, gate=cfg.llds_gate))
     metrics.update(phases.timing(out))     # timing/*, tokens per second, decode occupancy
     run_log.write_samples(run.dir / "samples" / f"step_{step:04d}.txt", records, out.episodes,
-                       cfg.samples_per_step)
+                          cfg.samples_per_step)
     return metrics
 
 
@@ -452,9 +452,9 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
         bar.set_postfix(runs.postfix(metrics))
         if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             checkpoints.save_checkpoint(run.dir, step, run.model, run.tokenizer, run.optimizer,
-                                 keep=cfg.keep_ckpts, state={
-                                     "sampler": sampler.state(), "skipped_steps": skipped,
-                                     "evals": evals, "monitor": warning.history})
+                                        keep=cfg.keep_ckpts, state={
+                                            "sampler": sampler.state(), "skipped_steps": skipped,
+                                            "evals": evals, "monitor": warning.history})
     bar.close()
     log.close()
     if cfg.save_bf16:

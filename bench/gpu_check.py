@@ -354,7 +354,8 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
     import rollout
     import train
     from eval import heldout_eval
-    from plumbing import checkpoints, fast_hf, memory_plan, sampler
+    from plumbing import checkpoints, fast_hf, memory_plan
+    from plumbing.sampler import PromptSampler
     from plumbing.tokens import encode_in_text
 
     tag = phase_prefix(model_name, args)
@@ -417,7 +418,7 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
         **{f"plan {k} GiB": v / GIB for k, v in planned.items()}})
 
     # 4. two steps at lr 0
-    sampler = sampler.PromptSampler(run.train_records, cfg.seed)
+    sampler = PromptSampler(run.train_records, cfg.seed)
     real_rollout, real_monitor, seen = rollout.rollout, train.monitor_step, {}
 
     def monitor(step, cfg_, run_, out, records, batch_, minibatches, phases):

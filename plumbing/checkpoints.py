@@ -19,7 +19,7 @@ from plumbing.models import is_model_folder
 from plumbing.run_log import truncate_metrics, write_atomic
 
 
-def _step(ckpt: Path) -> int:
+def checkpoint_step(ckpt: Path) -> int:
     return int(ckpt.name.split("-")[1])
 
 
@@ -28,7 +28,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
     the others, newest first."""
     run_dir = Path(run_dir)
     done = sorted((p for p in run_dir.glob("ckpt-*") if (p / "state.json").exists()),
-                  key=_step, reverse=True)
+                  key=checkpoint_step, reverse=True)
     pointer = run_dir / "latest"
     named = run_dir / pointer.read_text().strip() if pointer.exists() else None
     return sorted(done, key=lambda p: p != named)
@@ -58,7 +58,9 @@ def resolve_model(path: str | None) -> str | None:
 def resume_hint(run_dir: Path) -> str:
     """' ; continue from <ckpt> (step N) with --resume' when the run has a checkpoint, else ''."""
     ckpt = find_checkpoint(run_dir) if Path(run_dir).is_dir() else None
-    return f"; the run continues from {ckpt} (step {_step(ckpt)}) with --resume" if ckpt else ""
+    if ckpt is None:
+        return ""
+    return f"; the run continues from {ckpt} (step {checkpoint_step(ckpt)}) with --resume"
 
 
 def start_or_resume(run_dir: Path, model, optimizer, resume: bool) -> dict:
@@ -106,7 +108,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}))
     write_atomic(run_dir / "latest", final.name)
-    kept = sorted(run_dir.glob("ckpt-*"), key=_step)
+    kept = sorted(run_dir.glob("ckpt-*"), key=checkpoint_step)
     for old in kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for older in kept[-keep:-1]:

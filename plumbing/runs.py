@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing.checkpoints import _step, find_checkpoint, resume_hint
+from plumbing.checkpoints import checkpoint_step, find_checkpoint, resume_hint
 from plumbing.memory import release_memory
 from plumbing.run_log import metric_lines
 
@@ -95,7 +95,7 @@ def stopped_line(run_dir: Path, name: str) -> str:
     ckpt = find_checkpoint(run_dir) if Path(run_dir).is_dir() else None
     if ckpt is None:
         return f"{done}; there is no checkpoint to resume from: start it again"
-    return f"{done}; --resume continues from {ckpt} (step {_step(ckpt)})"
+    return f"{done}; --resume continues from {ckpt} (step {checkpoint_step(ckpt)})"
 
 
 def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
@@ -196,13 +196,13 @@ def postfix(m: dict) -> dict:
             "step_s": f"{m['timing/step']:.0f}"}
 
 
-def micro_metrics(share: float, pg, pg_stats: dict, kl, lld, lld_stats: dict) -> dict:
+def micro_metrics(share: float, pg, pg_stats: dict, kl, llds_term, llds_stats: dict) -> dict:
     """One micro-batch's part of its mini-batch's logged values: the losses (already divided by
     the mini-batch's normaliser) as they are, token means weighted by `share`, the micro-batch's
     part of the mini-batch's tokens. Summed over the micro-batches: the mini-batch's values."""
-    weighted = {**pg_stats, **{k: lld_stats[k] for k in ("llds/active_token_frac",
-                                                         "llds/active_action_frac")}}
-    return {"pg_loss": pg.item(), "kl": kl.item(), "llds/loss": lld.item(),
+    weighted = {**pg_stats, **{k: llds_stats[k] for k in ("llds/active_token_frac",
+                                                          "llds/active_action_frac")}}
+    return {"pg_loss": pg.item(), "kl": kl.item(), "llds/loss": llds_term.item(),
             **{k: v * share for k, v in weighted.items()}}
 
 

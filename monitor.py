@@ -24,11 +24,18 @@ one that broke down, and a broken-down run has no gradient at all (every group t
 rule was chosen on part of the committed runs and checked on the rest by replaying their
 metrics.jsonl through this class: experiments/lld_study/spiral_replay.py, `make study`.
 
+Candidate early signs, logged every step for the warning's design (experiments/spiral/): the
+probability the rollout policy gave its control tags where it wrote them (`ctrl/p_search`,
+`ctrl/p_answer`, `ctrl/p_close`: a tool-RL collapse is preceded by swings in them), and the step's
+gradient norm as a z-score against the run's own earlier steps (`grad_norm_z`).
+
 Also reported, as a fact rather than a forecast: a non-finite gradient norm (that update was
 skipped). A step without a correct response displaces none; with --displacement-every 0 (or N > 1)
 the displacement is missing on the steps without it and the rule sees less.
 """
+import itertools
 import math
+import re
 import statistics
 
 import torch
@@ -67,6 +74,31 @@ def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
     }
 
 
+CONTROL_TAGS = {"ctrl/p_search": re.compile(r"<search>"), "ctrl/p_answer": re.compile(r"<answer>"),
+                "ctrl/p_close": re.compile(r"</(search|answer)>")}
+
+
+def control_tag_probs(tokenizer, input_ids, loss_mask, old_logp) -> dict:
+    """The probability the rollout policy gave each control tag where it wrote one: the mean, over
+    the tags of a kind in the model's turns, of exp(sum of log pi_old over the tag's tokens; a
+    token counts when its text overlaps the tag's). None for a kind never written.
+    input_ids, loss_mask, old_logp: (N, T)."""
+    text_of = {i: tokenizer.decode([i]) for i in input_ids[loss_mask.bool()].unique().tolist()}
+    probs = {key: [] for key in CONTROL_TAGS}
+    turns = action_ids(loss_mask)                                                    # (N, T)
+    for row in range(len(turns)):
+        for turn in range(1, int(turns[row].max()) + 1):
+            cols = torch.nonzero(turns[row] == turn).flatten()
+            ids, logps = input_ids[row, cols].tolist(), old_logp[row, cols]
+            ends = list(itertools.accumulate(len(text_of[i]) for i in ids))
+            text, starts = "".join(text_of[i] for i in ids), [0] + ends[:-1]
+            for key, pattern in CONTROL_TAGS.items():
+                for m in pattern.finditer(text):
+                    on = [k for k in range(len(ids)) if starts[k] < m.end() and ends[k] > m.start()]
+                    probs[key].append(math.exp(float(logps[on].sum())))
+    return {key: statistics.fmean(p) if p else None for key, p in probs.items()}
+
+
 DISPLACEMENT = ("lld/correct_displacement", "lld/correct_frac_lost",
                 "lld/correct_displacement_search", "lld/correct_displacement_answer")
 
@@ -103,8 +135,21 @@ class SpiralMonitor:
 
     def __init__(self, window: int = 5, nats: float = 5.0, history: dict | None = None):
         self.window, self.nats = window, nats
-        kept = {k: v for k, v in (history or {}).items() if k in ("lost", "reward", "best")}
-        self.history = {"lost": [], "reward": [], "best": None, **kept}
+        kept = {k: v for k, v in (history or {}).items()
+                if k in ("lost", "reward", "best", "grad_norms")}
+        self.history = {"lost": [], "reward": [], "best": None, "grad_norms": [], **kept}
+
+    def grad_norm_z(self, norm: float) -> float | None:
+        """The step's gradient norm against the run's earlier steps, (norm - mean) / sd over those
+        with a finite nonzero norm (a step whose groups all tied has none); None before 3 of them
+        or at sd 0. The norm then joins the history."""
+        earlier = self.history["grad_norms"]
+        z = None
+        if len(earlier) >= 3 and statistics.stdev(earlier) > 0 and math.isfinite(norm):
+            z = (norm - statistics.fmean(earlier)) / statistics.stdev(earlier)
+        if math.isfinite(norm) and norm > 0:
+            earlier.append(norm)
+        return z
 
     def warn(self, step: int, metrics: dict) -> int:
         """check(), printing each warning above the progress bar; 1 if there was one, else 0."""

@@ -348,6 +348,8 @@ def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> di
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)   # (N,)
     group_ids = torch.arange(len(rewards)) // cfg.group_size                           # (N,)
     metrics = {**monitor.rollout_stats(out, batch["old_logp"], rewards, group_ids),
+               **monitor.control_tag_probs(run.tokenizer, out.input_ids, out.loss_mask,
+                                           batch["old_logp"]),
                **dict.fromkeys(monitor.DISPLACEMENT)}
     view = cfg.token_view_every and (step % cfg.token_view_every == 0 or step == cfg.steps)
     if view or (cfg.displacement_every and step % cfg.displacement_every == 0):
@@ -441,6 +443,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
         bar.set_description_str(cfg.name, refresh=False)
         skipped += metrics["grad_norm_nonfinite"]
         metrics["skipped_steps"] = skipped
+        metrics["grad_norm_z"] = warning.grad_norm_z(metrics["grad_norm"])
         metrics["lld/warning"] = warning.warn(step, metrics)       # 1 when the spiral shows
         last = step == cfg.steps
         if run.eval_records and (last or (cfg.eval_every and step % cfg.eval_every == 0)):

@@ -4,6 +4,7 @@ committed runs (experiments/lld_study/spiral_replay.py) through the same class."
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def test_an_old_checkpoints_history_loads_and_the_rule_starts_afresh():
     old = {"logp_correct": [-0.1, -0.2], "grad_norm": [1.0, 2.0], "tied": [1.0],
            "answer_in_passages": [0.9]}
     monitor = SpiralMonitor(5, 5.0, old)
-    assert monitor.history == {"lost": [], "reward": [], "best": None}
+    assert monitor.history == {"lost": [], "reward": [], "best": None, "grad_norms": []}
     assert feed(monitor, SPIRAL_REWARDS, SPIRAL_DISPLACEMENTS) == [12, 13, 14]
 
 
@@ -153,3 +154,33 @@ def test_the_spiral_flags_default_to_the_monitor_the_study_replays():
     # experiments/lld_study/spiral_replay.py measures SpiralMonitor() with its own defaults
     cfg, warning = train.Config(), monitor.SpiralMonitor()
     assert (cfg.spiral_window, cfg.spiral_nats) == (warning.window, warning.nats)
+
+
+def test_control_tag_probs_multiply_the_probabilities_of_a_tags_tokens():
+    from plumbing.models import byte_tokenizer
+    tok = byte_tokenizer()
+    turn1, obs, turn2 = "x<search> a </search>", "<information>", "<answer>b</answer>"
+    ids = tok(turn1 + obs + turn2, add_special_tokens=False)["input_ids"]
+    kinds = [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    assert len(ids) == len(kinds)         # one token a character
+    mask = torch.tensor([kinds], dtype=torch.float32)
+    old = torch.full((1, len(ids)), -0.1)
+    old[0, 1] = -2.0                      # the "<" of <search>
+    probs = monitor.control_tag_probs(tok, torch.tensor([ids]), mask, old)
+    # <search>: 8 tokens, one at -2.0; <answer>: 8 at -0.1; the closes: 9 tokens each
+    assert probs["ctrl/p_search"] == pytest.approx(math.exp(-2.0 - 0.7))
+    assert probs["ctrl/p_answer"] == pytest.approx(math.exp(-0.8))
+    assert probs["ctrl/p_close"] == pytest.approx(math.exp(-0.9))
+    # a tag in an observation (mask 0) is not the policy's: no <information> kind, none counted
+    none = monitor.control_tag_probs(tok, torch.tensor([ids]), torch.zeros_like(mask), old)
+    assert none == dict.fromkeys(monitor.CONTROL_TAGS)
+
+
+def test_grad_norm_z_against_the_runs_own_earlier_steps():
+    warning = SpiralMonitor()
+    # 0.0 (every group tied) and inf (skipped) never join the history
+    zs = [warning.grad_norm_z(n) for n in (1.0, 0.0, 2.0, math.inf, 3.0, 5.0)]
+    assert zs[:5] == [None] * 5
+    assert zs[5] == pytest.approx((5.0 - 2.0) / 1.0)      # mean 2, sd 1 over 1, 2, 3
+    resumed = SpiralMonitor(history=json.loads(json.dumps(warning.history)))
+    assert resumed.grad_norm_z(2.0) == pytest.approx((2.0 - 2.75) / statistics.stdev([1, 2, 3, 5]))

@@ -1,0 +1,53 @@
+"""experiments/spiral/: the survival statistics against independent computations (the values
+below are lifelines 0.30's KaplanMeierFitter and logrank_test and scipy's fisher_exact on the same
+data, pinned), and the study's rules on hand-made runs."""
+import math
+
+import pytest
+
+from experiments.spiral import survival
+
+ARM_A = ([3, 5, 5, 8, 10], [1, 1, 0, 1, 0])
+ARM_B = ([4, 6, 10, 10, 2, 9], [1, 0, 0, 0, 1, 1])
+
+
+def test_kaplan_meier_and_its_greenwood_band():
+    rows = survival.kaplan_meier(*ARM_A)
+    # by hand: S(3) = 4/5, S(5) = 4/5 * 3/4 (the censored run at 5 is at risk at 5), S(8) = 0.6 / 2
+    assert [(r["time"], r["at_risk"], r["events"]) for r in rows] == [(3, 5, 1), (5, 4, 1), (8, 2, 1)]
+    assert [r["survival"] for r in rows] == pytest.approx([0.8, 0.6, 0.3])
+    assert [r["low"] for r in rows] == pytest.approx([0.203809, 0.125730, 0.012302], abs=1e-6)
+    assert [r["high"] for r in rows] == pytest.approx([0.969180, 0.881756, 0.719218], abs=1e-6)
+    assert survival.kaplan_meier([5, 7], [0, 0]) == []          # no breakdown: S stays 1
+
+
+def test_log_rank_fisher_and_the_paired_bootstrap():
+    result = survival.log_rank(*ARM_A, *ARM_B)
+    assert result["chi2"] == pytest.approx(0.143010, abs=1e-6)
+    assert result["p"] == pytest.approx(0.705307, abs=1e-6)
+    assert (result["observed_a"], result["expected_a"]) == pytest.approx((3.0, 2.548990), abs=1e-6)
+    assert survival.fisher_exact(3, 10, 8, 10) == pytest.approx(0.0697785, abs=1e-7)
+    assert survival.fisher_exact(0, 30, 12, 30) == pytest.approx(1.236184e-4, rel=1e-6)
+    assert survival.fisher_exact(5, 30, 5, 30) == 1.0
+    boot = survival.paired_bootstrap([0.1, 0.2, 0.3], [0.2, 0.2, 0.6])
+    assert boot["mean"] == pytest.approx(0.4 / 3)
+    assert 0.0 <= boot["low"] <= boot["mean"] <= boot["high"] <= 0.3
+    assert math.isclose(survival.paired_bootstrap([1, 1], [2, 2])["low"], 1.0)
+
+
+def steps_of(rewards):
+    return [{"step": s, "reward": r} for s, r in enumerate(rewards, 1)]
+
+
+def test_breakdown_needs_half_the_best_earlier_window_and_no_recovery():
+    from experiments.spiral.spiral_study import breakdown_onset
+    # windows of 5: R(5) .. R(9) = 0.4, R(10) = 0.32, R(11) = 0.24, R(12) = 0.16 <= 0.5 x 0.4
+    learned_then_fell = [0.4] * 9 + [0.0] * 6
+    assert breakdown_onset(steps_of(learned_then_fell)) == 12
+    # the same fall, then back above 0.75 x 0.4 = 0.3 at the end: not a breakdown there
+    assert breakdown_onset(steps_of(learned_then_fell + [0.4] * 5)) is None
+    # a best window below 0.1 is noise, not learning
+    assert breakdown_onset(steps_of([0.08] * 9 + [0.0] * 6)) is None
+    # steps without a reward (the evaluation lines) do not count
+    lines = steps_of(learned_then_fell) + [{"step": 15, "eval/em": 0.1}]
+    assert breakdown_onset(lines) == 12

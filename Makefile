@@ -55,6 +55,14 @@ study: .venv/done
 
 .PHONY: setup train test compare study
 
+# The spiral study (experiments/spiral/prereg.md): survival of plain GRPO and GRPO + LLDS over 30 seeds
+# each, and the warning measured as a detector. Every table, the figure and the warning's replay come
+# from the committed run folders; the runs themselves: experiments/spiral/spiral_runs.py (hours).
+spiral: .venv/done
+	$(PY) experiments/spiral/spiral_study.py experiments/spiral --figure experiments/spiral/survival.png
+
+.PHONY: spiral
+
 # The LLD lab (experiments/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
 # GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in experiments/lab/;
 # the study runs at the cell the pilot chose, and not at all when the pilot's stop rule ended the lab.

@@ -41,13 +41,39 @@ def steps_of(rewards):
 
 def test_breakdown_needs_half_the_best_earlier_window_and_no_recovery():
     from experiments.spiral.spiral_study import breakdown_onset
-    # windows of 5: R(5) .. R(9) = 0.4, R(10) = 0.32, R(11) = 0.24, R(12) = 0.16 <= 0.5 x 0.4
+    # windows of 3: R(3) .. R(9) = 0.4, R(10) = 0.8 / 3, R(11) = 0.4 / 3 <= 0.5 x 0.4
     learned_then_fell = [0.4] * 9 + [0.0] * 6
-    assert breakdown_onset(steps_of(learned_then_fell)) == 12
+    assert breakdown_onset(steps_of(learned_then_fell)) == 11
     # the same fall, then back above 0.75 x 0.4 = 0.3 at the end: not a breakdown there
-    assert breakdown_onset(steps_of(learned_then_fell + [0.4] * 5)) is None
+    assert breakdown_onset(steps_of(learned_then_fell + [0.4] * 3)) is None
+    # back to 0.3 exactly is not above it: broken down at 11
+    assert breakdown_onset(steps_of(learned_then_fell + [0.3] * 3)) == 11
     # a best window below 0.1 is noise, not learning
     assert breakdown_onset(steps_of([0.08] * 9 + [0.0] * 6)) is None
     # steps without a reward (the evaluation lines) do not count
     lines = steps_of(learned_then_fell) + [{"step": 15, "eval/em": 0.1}]
-    assert breakdown_onset(lines) == 12
+    assert breakdown_onset(lines) == 11
+
+
+def test_the_detectors_design_finds_the_signal_that_rises_before_the_breakdowns():
+    from experiments.spiral import detector
+    runs = []
+    for k in range(10):           # runs 0-4 fall from reward 0.5 to 0.05 at step 12; 5-9 do not
+        falls = k < 5
+        lines = [{"step": s, "reward": 0.05 if falls and s >= 12 else 0.5,
+                  # entropy rises from step 9 in the runs that fall; noise in the 3rd decimal
+                  "entropy": (1.0 if falls and s >= 9 else 0.4) + 0.001 * ((s * 7 + k) % 5),
+                  "valid_action_ratio": 0.9 - 0.001 * ((s + k) % 3)} for s in range(1, 21)]
+        runs.append({"run": f"r{k}", "lines": lines, "onset": detector.breakdown_onset(lines)})
+    # R(12) = (0.5 + 0.5 + 0.05) / 3 = 0.35 > 0.25; R(13) = 0.2: onset 13
+    assert [r["onset"] for r in runs] == [13] * 5 + [None] * 5
+    result = detector.design(runs)
+    assert result["chosen"][0].signal == "entropy" and len(result["chosen"]) == 1
+    # warned at step 9, 4 steps before the onset, in every falling run; no false alarm
+    assert result["score"] | {"rule": None} == {
+        "rule": None, "breakdowns": 5, "warned": 5, "recall": 1.0, "median_lead": 4, "calm": 5,
+        "false_alarms": 0, "alarms_per_10": 0.0}
+    # a warning 1 step before the onset is too late: not warned
+    late = detector.Condition("reward", False, 1, False, 0.3)          # fires at step 12
+    assert detector.score((late,), runs)["warned"] == 0
+    assert detector.first_warning((late,), runs[0]["lines"]) == 12

@@ -30,11 +30,11 @@ PY = sys.executable
 SFT_DIR = ROOT / "runs" / "spiral" / "sft"
 # The warm-start (prereg.md §2): the noisy scripted searcher's episodes in the search-r1 prompt.
 SFT_ARGS = ["--questions", "480", "--episodes-per-question", "1", "--epochs", "1",
-            "--batch-size", "16", "--lr", "3e-5", "--warmup-steps", "3", "--topk", "3",
+            "--batch-size", "16", "--lr", "3e-5", "--warmup-steps", "3", "--topk", "1",
             "--max-turn-tokens", "24", "--heldout-questions", "48", "--eval-every", "10",
             "--eval-size", "100", "--eval-samples", "4"]
 # The RL setting (prereg.md §3) without the pilot's levers (--lr, --steps) and the arm.
-SETTING = ["--template", "search-r1", "--max-turns", "2", "--topk", "3", "--max-turn-tokens", "24",
+SETTING = ["--template", "search-r1", "--max-turns", "2", "--topk", "1", "--max-turn-tokens", "24",
            "--max-obs-tokens", "200", "--temperature", "1.0", "--prompts-per-step", "8",
            "--group-size", "5", "--drop-tied-groups", "0", "--mini-batch-size", "4",
            "--micro-batch-size", "4", "--warmup-ratio", "0.1", "--kl-coef", "0",
@@ -142,7 +142,7 @@ def main() -> None:
             print(line, flush=True)
 
 
-STUDY_CELL = "lr5e-5-s30"      # the pilot's choice (prereg.md §4)
+STUDY_CELL = None      # the pilot's choice (prereg.md §4), set at registration
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,8 @@
 """The spiral study's tables and figure, from committed run folders alone (prereg.md).
 
-    .venv/bin/python experiments/spiral/spiral_study.py experiments/spiral/study --figure experiments/spiral/survival.png
-    .venv/bin/python experiments/spiral/spiral_study.py experiments/spiral/pilot/<cell>    # a pilot cell
+    make spiral     # = .venv/bin/python experiments/spiral/spiral_study.py experiments/spiral --figure experiments/spiral/survival.png
 
-Breakdown (prereg.md §5, `breakdown_onset`): R(s), the mean training reward over steps s-4..s;
+Breakdown (prereg.md §5, `breakdown_onset`): R(s), the mean training reward over steps s-2..s;
 B(s), the best R of the windows that end before s. A run breaks down at the first step s with
 B(s) >= 0.1 and R(s) <= 0.5 B(s), after which R never again exceeds 0.75 B(s). A run that never
 does is censored at its last step. Outcomes: breakdowns x / N per arm with Fisher's exact p,
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from experiments.spiral import survival  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
-WINDOW, FLOOR, FALL, RECOVER = 5, 0.1, 0.5, 0.75
+WINDOW, FLOOR, FALL, RECOVER = 3, 0.1, 0.5, 0.75
 ARMS = {"grpo": "plain GRPO", "llds": "GRPO + LLDS"}
 
 
@@ -153,12 +152,29 @@ def tables(rows: list[dict], result: dict) -> list[str]:
     return lines
 
 
+def pilot_lines(pilot: Path) -> list[str]:
+    """One line per pilot cell: its runs' breakdowns (plain GRPO only)."""
+    lines = []
+    for cell in sorted(d for d in pilot.iterdir() if d.is_dir()):
+        rows = study_rows(cell)
+        done = [r for r in rows if r["finished"]]
+        onsets = ", ".join(f"s{r['seed']}: {show(r['onset'])}" for r in rows)
+        lines.append(f"pilot {cell.name}: {sum(r['onset'] is not None for r in done)} of "
+                     f"{len(done)} finished runs broke down ({len(rows)} started; onsets {onsets})")
+    return lines
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", type=Path, help="a folder of <arm>-s<seed> run folders")
+    parser.add_argument("root", type=Path, help="experiments/spiral: its pilot/ and study/ folders")
     parser.add_argument("--figure", type=Path, help="write the survival figure here (PNG)")
     args = parser.parse_args(argv)
-    rows = study_rows(args.runs)
+    if (args.root / "pilot").is_dir():
+        print("\n".join(pilot_lines(args.root / "pilot")))
+    if not (args.root / "study").is_dir():
+        print(f"no {args.root / 'study'}: no counted seed has finished")
+        return {}
+    rows = study_rows(args.root / "study")
     result = outcome(rows)
     print("\n".join(tables(rows, result)))
     if args.figure:

@@ -1,0 +1,158 @@
+"""The warning as a detector (prereg.md §7): candidate rules over the signals a step logs, each
+replayed over run folders and scored against the runs' breakdowns.
+
+    .venv/bin/python experiments/spiral/detector.py design experiments/spiral/study --seeds 0-14
+
+A rule warns at a step; a breakdown is *warned* when the first warning comes at least LEAD steps
+before its onset; a *false alarm* is a run that never breaks down and is warned. A candidate is a
+threshold on one signal, read as its level or as its change from the mean of the run's first
+BASELINE steps, at one step or as the mean of the last 1-3 steps; or two such conditions at once.
+The design picks, among candidates with at most MAX_ALARM_RATE false alarms per non-breaking
+run, the highest recall, then the longer median lead, then the fewer conditions.
+"""
+import argparse
+import itertools
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.spiral.spiral_study import breakdown_onset  # noqa: E402
+from plumbing.plots import read_metrics  # noqa: E402
+
+LEAD, BASELINE, MAX_ALARM_RATE = 2, 3, 0.1
+SIGNALS = ("lld/correct_displacement", "frac_reward_zero_std", "valid_action_ratio", "finished",
+           "entropy", "grad_norm", "grad_norm_max", "clip_ratio", "response_length", "searches",
+           "reward", "ctrl/p_search", "ctrl/p_answer", "ctrl/p_close", "grad_norm_z")
+THRESHOLDS = np.linspace(0.05, 0.95, 19)     # quantiles of a signal's design values
+
+
+@dataclass(frozen=True)
+class Condition:
+    """signal (as level or change, averaged over `window` steps) above/below threshold."""
+    signal: str
+    change: bool
+    window: int
+    above: bool
+    threshold: float
+
+    def values(self, lines: list[dict]) -> list[float | None]:
+        """The condition's reading at each training step (None where the signal is missing)."""
+        raw = [l.get(self.signal) for l in lines]
+        seen = [v for v in raw[:BASELINE] if v is not None]
+        base = statistics.fmean(seen) if self.change and seen else 0.0
+        if self.change and not seen:
+            return [None] * len(raw)
+        out = []
+        for i in range(len(raw)):
+            last = [v for v in raw[max(0, i - self.window + 1):i + 1] if v is not None]
+            out.append(statistics.fmean(last) - base if len(last) == self.window else None)
+        return out
+
+    def fires(self, lines: list[dict]) -> list[bool]:
+        return [v is not None and (v > self.threshold if self.above else v < self.threshold)
+                for v in self.values(lines)]
+
+    def __str__(self) -> str:
+        reading = f"{'change of ' if self.change else ''}{self.signal}"
+        reading += f" (mean of {self.window} steps)" if self.window > 1 else ""
+        return f"{reading} {'>' if self.above else '<'} {self.threshold:.4g}"
+
+
+def first_warning(rule: tuple[Condition, ...], lines: list[dict]) -> int | None:
+    """The first training step at which every condition of the rule fires."""
+    fired = [all(f) for f in zip(*(c.fires(lines) for c in rule))]
+    return next((l["step"] for l, f in zip(lines, fired) if f), None)
+
+
+def training_lines(folder: Path) -> list[dict]:
+    return [l for l in read_metrics(folder) if l.get("reward") is not None]
+
+
+def score(rule, runs: list[dict]) -> dict:
+    """Recall, median lead and false alarms of a rule over runs {lines, onset}."""
+    warned, leads, alarms = 0, [], 0
+    for run in runs:
+        first = first_warning(rule, run["lines"])
+        if run["onset"] is None:
+            alarms += first is not None
+        elif first is not None and run["onset"] - first >= LEAD:
+            warned, leads = warned + 1, leads + [run["onset"] - first]
+    broke = sum(r["onset"] is not None for r in runs)
+    calm = len(runs) - broke
+    return {"rule": " and ".join(map(str, rule)), "breakdowns": broke, "warned": warned,
+            "recall": warned / broke if broke else None,
+            "median_lead": statistics.median(leads) if leads else None,
+            "calm": calm, "false_alarms": alarms,
+            "alarms_per_10": 10 * alarms / calm if calm else None}
+
+
+def candidates(runs: list[dict]) -> list[Condition]:
+    """Every single condition: each signal x level/change x window 1-3 x above/below x the
+    signal's design quantiles as thresholds."""
+    out = []
+    for signal, change, window in itertools.product(SIGNALS, (False, True), (1, 2, 3)):
+        probe = Condition(signal, change, window, True, 0.0)
+        values = [v for r in runs for v in probe.values(r["lines"]) if v is not None]
+        if len(set(values)) < 2:
+            continue
+        for t in sorted(set(np.quantile(values, THRESHOLDS).round(6))):
+            out += [Condition(signal, change, window, True, float(t)),
+                    Condition(signal, change, window, False, float(t))]
+    return out
+
+
+def rank(scored: dict) -> tuple:
+    return (scored["recall"] or 0.0, scored["median_lead"] or 0.0, -scored["rule"].count(" and "))
+
+
+def design(runs: list[dict], pairs_of: int = 40) -> dict:
+    """The chosen rule and every single signal's best condition, on the design runs: singles
+    first, then conjunctions of the `pairs_of` singles of highest recall at any alarm rate."""
+    singles = [(c,) for c in candidates(runs)]
+    scored = {rule: score(rule, runs) for rule in singles}
+    allowed = lambda s: s["calm"] == 0 or s["false_alarms"] <= MAX_ALARM_RATE * s["calm"]  # noqa: E731
+    best_of_signal = {}
+    for rule, s in scored.items():
+        key = rule[0].signal
+        if allowed(s) and (key not in best_of_signal or rank(s) > rank(best_of_signal[key][1])):
+            best_of_signal[key] = (rule, s)
+    top = sorted(singles, key=lambda r: -(scored[r]["recall"] or 0.0))[:pairs_of]
+    for a, b in itertools.combinations(top, 2):
+        if a[0].signal != b[0].signal:
+            scored[a + b] = score(a + b, runs)
+    chosen = max((r for r, s in scored.items() if allowed(s)), key=lambda r: rank(scored[r]))
+    return {"chosen": chosen, "score": scored[chosen], "signals": best_of_signal}
+
+
+def load(folder: Path, seeds: set[int] | None) -> list[dict]:
+    runs = []
+    for d in sorted(folder.glob("*-s*")):
+        if (d / "metrics.jsonl").exists() and (seeds is None or int(d.name.rsplit("-s", 1)[1]) in seeds):
+            lines = training_lines(d)
+            runs.append({"run": d.name, "lines": lines, "onset": breakdown_onset(lines)})
+    return runs
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["design"])
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--seeds", help="e.g. 0-14")
+    args = parser.parse_args(argv)
+    seeds = None
+    if args.seeds:
+        first, _, last = args.seeds.partition("-")
+        seeds = set(range(int(first), int(last or first) + 1))
+    result = design(load(args.runs, seeds))
+    print(f"chosen: {result['score']}")
+    for signal, (_, s) in sorted(result["signals"].items()):
+        print(f"best single {signal}: {s}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

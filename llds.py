@@ -156,8 +156,10 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
 def answer_weight(lam, coef, valid_searches=None):
     """LLDS-MA's answer_weight as the authors' code sets it, relative to lam: the answer span's
     coefficient min(coef, lam), adaptively min(coef * max(V - 1, 0), lam), V = valid_searches the
-    batch's mean valid searches per trajectory (coef = inf: no masking). The paper's appendix
-    writes the adaptive one as min(V / 2, 1) x lam: 0.5 lam at V = 1, where the code gives 0."""
+    batch's mean valid searches per trajectory (coef = inf: no masking; adaptively 0 while
+    V <= 1, where their formula gives NaN). The paper's appendix writes the adaptive one as
+    min(V / 2, 1) x lam: 0.5 lam at V = 1, where the code gives 0. The authors' shipped script
+    leaves LLDS-MA off (MASK_ANS=false; its MASK_WEIGHT 0.2 is lambda)."""
     if valid_searches is not None:
         coef = coef * (valid_searches - 1) if valid_searches > 1 else 0.0
     return min(coef, lam) / lam if lam > 0 else 1.0

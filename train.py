@@ -9,7 +9,7 @@ How it maps to the papers. Search-R1 (Jin et al., arXiv 2503.09516) is the envir
 Deng et al. (arXiv 2512.04220) train it with GRPO and LLDS (llds.py), one veRL step numbered as in
 train_step: 1. `group_size` rollouts per question (tied groups redrawn); 2. rewards, group-relative
 advantages; 3. old log-probs (the rollout policy) of every row, reference ones when kl_coef > 0;
-4. one AdamW step per shuffled mini-batch: clipped surrogate - entropy bonus + k3 KL + lambda LLDS
+4. one AdamW step per mini-batch: clipped surrogate - entropy bonus + k3 KL + lambda LLDS
 (with one update per rollout batch LLDS is 0); 5. the LLD monitor, and its warning (monitor.py).
 
 Simplified on purpose: one process, one device, no vLLM (rollout.py samples with the training
@@ -37,6 +37,7 @@ from llds import GATES, REDUCTIONS, action_ids, answer_weight, llds_loss, preser
 from plumbing import checkpoints, fast_hf, memory, memory_plan, run_log, runs, token_view
 from plumbing.cli import check_config, flag, parse_train_args
 from plumbing.dynamic_sampling import replace_rows
+from plumbing.minibatches import verl_order
 from plumbing.models import (AdapterOff, frozen_in_bf16, load_policy, place_for_training,
                               reference_copy, with_lora)
 from plumbing.plots import plot_runs
@@ -89,8 +90,13 @@ class Config:
     drop_tied_groups: int = flag(1, "rounds of redrawing groups whose rewards tie; 0 = off", ">= 0")
     mini_batch_size: int = flag(32, "trajectories per optimizer step", ">= 1")
     micro_batch_size: int = flag(4, "trajectories per forward/backward", ">= 1")
+    verl_minibatches: bool = flag(False, "mini-batches in the authors' order (plumbing/"
+                                  "minibatches.py), not shuffled; on in --preset paper")
     lr: float = flag(5e-5, "AdamW learning rate (paper: 1e-6)", ">= 0")
     warmup_ratio: float = flag(0.1, "linear warm-up over this fraction of the steps", "0..1")
+    warmup_from_zero: bool = flag(False, "step s at lr x (s - 1) / warm-up steps, not s / warm-up "
+                                  "steps, as the authors' (their first step at lr 0); on in "
+                                  "--preset paper")
     weight_decay: float = flag(0.01, "AdamW weight decay", ">= 0")
     grad_clip: float = flag(1.0, "gradient-norm clip; a non-finite norm skips the update", "> 0")
     clip_eps: float = flag(0.2, "PPO ratio clip", "> 0")
@@ -101,9 +107,10 @@ class Config:
     llds_lambda: float = flag(0.2, "LLDS coefficient lambda", ">= 0")
     llds_gate: str = flag("action", "LLDS gate: action, response or token", "choice")
     llds_reduction: str = flag("token-mean", "mini-batch token-mean, or seq-mean (eq. 4)", "choice")
-    answer_coef: float = flag(math.inf, "LLDS-MA: the answer span's coefficient, capped at lambda "
-                              "(the authors' runs: 0.05); inf = off", "any")
-    answer_adaptive: bool = flag(False, "LLDS-MA: that x max(V - 1, 0), V: mean valid searches")
+    answer_coef: float = flag(math.inf, "LLDS-MA: the answer span's coefficient, capped at lambda; "
+                              "inf = off (the authors' script: off, its coefficient 0.2)", "any")
+    answer_adaptive: bool = flag(False, "LLDS-MA: that x max(V - 1, 0), V: mean valid searches "
+                                 "(with inf: 0 while V <= 1, else lambda)")
     # monitoring, evaluation, checkpoints
     displacement_every: int = flag(1, "correct responses' displacement every N steps", ">= 0")
     token_view_every: int = flag(10, "<run>/views/step_N.html every N steps and the last", ">= 0")
@@ -246,7 +253,10 @@ def logprob_pass(model, batch, minibatches, cfg, device):
 def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dict:
     """One GRPO(+LLDS) step, steps 1-5 of the module docstring; show(text): which phase runs."""
     phases, model, G = runs.Phases(show), run.model, cfg.group_size
-    lr = cfg.lr * min(1.0, step / max(1, round(cfg.warmup_ratio * cfg.steps)))
+    # Linear warm-up, then constant. The authors' scheduler is stepped after each step's updates,
+    # so their step s runs at (s - 1) / W: their first step at lr 0.
+    warmup = max(1, round(cfg.warmup_ratio * cfg.steps))
+    lr = cfg.lr * min(1.0, (step - 1 if cfg.warmup_from_zero else step) / warmup)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
 
@@ -277,12 +287,15 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
              "loss_mask": out.loss_mask, "answer_mask": out.answer_mask,
              "advantages": group_advantages(rewards, G)}                                # (N,)
 
-    # 3. The rows shuffled into mini-batches (an optimizer step each) of micro-batches (a forward
-    #    and backward each, rows of similar length together: less padding); then the old
-    #    (rollout-policy) and reference log-probs of every row, micro-batch by micro-batch.
+    # 3. The rows shuffled (or in the authors' order) into mini-batches (an optimizer step each)
+    #    of micro-batches (a forward and backward each, rows of similar length together: less
+    #    padding); then the old (rollout-policy) and reference log-probs of every row, micro-batch
+    #    by micro-batch.
     lengths = out.attention_mask.sum(1)                                                 # (N,)
+    order = (verl_order(lengths, cfg.mini_batch_size) if cfg.verl_minibatches
+             else torch.randperm(len(lengths)))                                         # (N,)
     minibatches = [list(mini[lengths[mini].argsort(stable=True)].split(cfg.micro_batch_size))
-                   for mini in torch.randperm(len(lengths)).split(cfg.mini_batch_size)]
+                   for mini in order.split(cfg.mini_batch_size)]
     with phases("logprob", release=False):
         batch["old_logp"], old_entropy = logprob_pass(model, batch, minibatches, cfg,
                                                       run.device)                 # (N, T)

@@ -28,6 +28,7 @@ anything: each module says what it speeds up or takes care of.
                   tied groups, correct/incorrect pairs sharing the first search
     token_view.py the token-level view of a step (views/*.html, *.jsonl) and its index page
     dynamic_sampling.py  --drop-tied-groups: the redrawn groups' rows swapped into a rollout
+    minibatches.py  --verl-minibatches: the rows in the mini-batch order of the authors' trainer
     scores.py     cover-EM, pass@k, avg@k / pass@k with bootstrap intervals
     memory_plan.py  --plan: what a run will hold in memory, from the model's config
     presets.py    train.py's --preset settings: the paper's, one GPU's, the LLD lab's

@@ -166,6 +166,9 @@ def check_config(cfg, choices: dict[str, tuple[str, ...]]) -> None:
     batch = cfg.prompts_per_step * cfg.group_size
     if batch % cfg.mini_batch_size:
         raise ValueError(f"mini-batch-size {cfg.mini_batch_size} must divide prompts-per-step x group-size = {batch}")
+    if cfg.verl_minibatches and cfg.mini_batch_size % 4:
+        raise ValueError("--verl-minibatches splits each mini-batch over the authors' 4 GPUs: "
+                         f"mini-batch-size {cfg.mini_batch_size} must be a multiple of 4")
     if cfg.max_prompt_tokens >= cfg.max_context:
         raise ValueError(f"max-prompt-tokens {cfg.max_prompt_tokens} must be below max-context {cfg.max_context}")
     if not cfg.answer_coef >= 0:

@@ -4,11 +4,13 @@ one card of 24, 48, 80 or 141 GB; and the LLD lab's RL settings (experiments/lab
 
 `--preset paper` is the LLDS paper's setting (section 4: Qwen2.5-3B-Instruct, NQ + HotpotQA, the E5
 retriever as a server, 512 prompts x 5 a step), run on one device: about 4 weeks on one H100 (the
-plan's estimate). Where it still differs from the authors' code: docs/method.md's table.
+plan's estimate). It follows the authors' code where that is cheap and copies no bug: their
+warm-up (their first step at lr 0) and their mini-batch order (plumbing/minibatches.py). Where it
+still differs from their code: docs/method.md's table.
 `--preset one-gpu-<size>-<card>` keeps every algorithm setting of it (the search-r1 prompt, 3
 searches of top-3 passages, 500-token turns and observations, T = 1 with top-p 0.95 (the authors'
-rollout setting), lr 1e-6, warm-up 0.285, clip 0.2, KL and entropy 0.001, LLDS lambda 0.2 with the
-action gate, 10 updates a step) on 64 prompts x 5 a step, with:
+rollout setting), lr 1e-6, warm-up 0.285 from lr 0, clip 0.2, KL and entropy 0.001, LLDS lambda 0.2
+with the action gate, 10 updates a step in the authors' order) on 64 prompts x 5 a step, with:
 - max_prompt_tokens 512: Search-R1's prompts are ~180 Qwen tokens, and the bound sets the plan;
 - the rollout batch (and the micro-batch) the plan fits into 85% of the card, from `--plan` on
   bench/configs/<model>'s config: planned peaks and times are in README.md's GPU section;
@@ -26,7 +28,7 @@ PAPER = dict(
     temperature=1.0, top_p=0.95, steps=1005, prompts_per_step=512, group_size=5, drop_tied_groups=0, mini_batch_size=256,
     micro_batch_size=4, lr=1e-6, warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2,
     llds_gate="action", eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128,
-    grad_checkpointing=True)
+    grad_checkpointing=True, warmup_from_zero=True, verl_minibatches=True)
 
 ONE_GPU = {**PAPER, "max_prompt_tokens": 512, "steps": 200, "prompts_per_step": 64, "mini_batch_size": 32,
            "displacement_every": 10, "token_view_every": 50, "eval_size": 500, "keep_ckpts": 2}

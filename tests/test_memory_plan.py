@@ -200,9 +200,11 @@ PAPER = dict(
     temperature=1.0, top_p=0.95, steps=1005, prompts_per_step=512, group_size=5, drop_tied_groups=0, mini_batch_size=256,
     micro_batch_size=4, lr=1e-6,
     warmup_ratio=0.285, clip_eps=0.2, kl_coef=0.001, entropy_coef=0.001, llds_lambda=0.2, llds_gate="action",
-    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True)
+    eval_every=50, eval_size=1000, eval_max_turns=4, ckpt_every=50, rollout_batch_size=128, grad_checkpointing=True,
+    warmup_from_zero=True, verl_minibatches=True)
 ALGORITHM = ("template", "max_turns", "topk", "max_turn_tokens", "max_obs_tokens", "max_context", "temperature",
              "group_size", "drop_tied_groups", "lr", "warmup_ratio", "clip_eps", "kl_coef", "entropy_coef", "llds", "llds_lambda",
+             "warmup_from_zero", "verl_minibatches",
              "llds_gate", "llds_reduction", "answer_coef", "answer_adaptive", "top_p", "grad_checkpointing", "retriever", "data", "eval_max_turns")
 
 

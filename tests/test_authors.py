@@ -156,7 +156,7 @@ def test_the_mini_batch_normaliser_differs_from_the_authors_only_by_its_per_micr
 
 
 def test_the_size_of_the_normaliser_difference_at_the_papers_lengths():
-    """Per GPU the authors' mini-batch is 64 trajectories in micro-batches of 16, over 4 GPUs: 16
+    """Per GPU the authors' mini-batch is 64 episodes in micro-batches of 16, over 4 GPUs: 16
     micro-batches averaged. With independent lengths U[60, 900] a token weighs N / (16 N_m) times
     ours: docs/method.md quotes this test's spread."""
     gen = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from plumbing.plots import read_metrics  # noqa: E402
+from plumbing.metrics_file import read_metrics  # noqa: E402
 from monitor import SpiralMonitor  # noqa: E402
 
 DESIGN_SEEDS = {0, 1, 2, 3, 4, 6, 8}            # the study's; 5, 7 and 9 are held out

@@ -53,7 +53,12 @@ study: .venv/done
 	$(PY) experiments/lld_study/lld_study.py experiments/lld_study/compare --figure experiments/lld_study/compare.png
 	$(PY) experiments/lld_study/spiral_replay.py experiments/lld_study/compare experiments/lab/pilot
 
-.PHONY: setup train test compare study
+# README.md's measured numbers and tables, rendered again from their committed records (a test
+# fails while README.md differs from what this writes).
+docs: .venv/done
+	$(PY) docs/readme_numbers.py
+
+.PHONY: setup train test compare study docs
 
 # The LLD lab (experiments/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
 # GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in experiments/lab/;

@@ -53,7 +53,12 @@ study: .venv/done
 	$(PY) experiments/lld_study/lld_study.py experiments/lld_study/compare --figure experiments/lld_study/compare.png
 	$(PY) experiments/lld_study/spiral_replay.py experiments/lld_study/compare experiments/lab/pilot
 
-.PHONY: setup train test compare study
+# README.md's measured numbers and tables, rendered again from their committed records (a test
+# fails while README.md differs from what this writes).
+docs: .venv/done
+	$(PY) docs/readme_numbers.py
+
+.PHONY: setup train test compare study docs
 
 # The spiral study (experiments/spiral/prereg.md): survival of plain GRPO and GRPO + LLDS over 30 seeds
 # each, and the warning measured as a detector. Every table, the figure and the warning's replay come

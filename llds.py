@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: MIT. Copyright (c) 2026 the search-r1-llds authors (see LICENSE).
-"""LLDS: likelihood-preserving regularisation for GRPO on agent-search trajectories.
+"""LLDS: likelihood-preserving regularisation for GRPO on agent-search episodes.
 
 Re-implements the regulariser of Deng et al., "On GRPO Collapse in Search-R1: The Lazy
 Likelihood-Displacement Death Spiral" (arXiv 2512.04220), as one loss function you can copy into
 any trainer. Imports only torch.
 
-The problem. A search agent's trajectory alternates model *actions* (think + search, or the
+The problem. A search agent's response alternates model *actions* (think + search, or the
 final answer) with tool *observations* (retrieved passages) that get no gradient. Under GRPO the
-likelihood of correct trajectories often stagnates, then falls while reward still rises ("lazy
+likelihood of correct responses often stagnates, then falls while reward still rises ("lazy
 likelihood displacement": incorrect responses that resemble them push shared tokens down);
 entropy then grows, the gradient norm explodes and training collapses.
 
-The fix. Within one rollout batch the policy takes several optimiser steps (mini-batches). For
-token k of action t of response i, the displacement against the rollout-time policy is
+The fix. Within one rollout batch the policy takes several updates (one AdamW step per
+mini-batch). For token k of action t of response i, the displacement against the rollout-time
+policy is
 
     d_itk = log pi_old(y_itk) - log pi_theta(y_itk)        (> 0: the token lost likelihood)
 
@@ -26,7 +27,7 @@ and then every token of it whose likelihood fell pays a one-sided hinge:
     L_total = L_GRPO + lambda * L_LLDS                       (lambda = 0.2 in the paper)
 
 The hinge's gradient is -grad log pi_theta on exactly the tokens whose probability fell: a
-lambda-weighted likelihood push-up. With one optimiser step per rollout batch, d == 0 and L == 0.
+lambda-weighted likelihood push-up. With one update per rollout batch, d == 0 and L == 0.
 
 Options:
 - gate="action" (default, best in the paper): an action is a maximal run of loss-mask tokens,
@@ -47,7 +48,8 @@ Choices made here (not fixed by the paper):
   gets no gradient (the authors' torch.maximum gives it half).
 - NaN/inf where loss_mask == 0 reach neither loss nor gradient (torch.where).
 
-Stats returned (floats, veRL-style names):
+Stats returned (floats, veRL-style names; train.py logs the two fractions, averaged over the
+step's micro-batches; integrations/ logs all four):
     llds/active_token_frac    penalised tokens / tokens of preserving responses
     llds/active_action_frac   actions with an open gate / actions of preserving responses
                               (always 1.0 for gate="token", response-level for "response")
@@ -60,17 +62,18 @@ GATES = ("action", "response", "token")
 REDUCTIONS = ("token-mean", "seq-mean")
 
 
-def action_ids(mask):
-    """mask (B, T) bool or 0/1 -> (B, T) long: 1..K numbering each row's runs of 1s, 0 elsewhere."""
-    on = mask.bool()
-    return _run_starts(on).cumsum(dim=1) * on
-
-
-def _run_starts(on):
-    # (B, T) bool -> (B, T) bool: True on the first token of every run of True.
+def action_starts(loss_mask):
+    """loss_mask (B, T) bool or 0/1 -> (B, T) bool: True on the first token of each action, a
+    maximal run of model tokens (an observation between two turns ends one)."""
+    on = loss_mask.bool()
     starts = on.clone()
     starts[:, 1:] &= ~on[:, :-1]
     return starts
+
+
+def action_ids(loss_mask):
+    """loss_mask (B, T) bool or 0/1 -> (B, T) long: each row's actions numbered 1..K, else 0."""
+    return action_starts(loss_mask).cumsum(dim=1) * loss_mask.bool()
 
 
 def _response_advantage(advantages, valid, n_tok):
@@ -116,7 +119,7 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
         d_value = torch.where(valid, d, 0.0)                     # (B, T) float32, clean, no grad
         n_tok = valid.sum(dim=1)                                 # (B,) model tokens
         preserving = preserving_responses(advantages, loss_mask)    # (B,) bool
-        starts = _run_starts(valid)                              # (B, T) bool: actions' starts
+        starts = action_starts(valid)                            # (B, T) bool
         # The gate: which tokens may pay. "action": the actions of preserving responses numbered
         # 1..N across the batch (0: everything else), d summed per action with one index_add, the
         # sign looked back up per token. "response": one sum per response. "token": no gate.
@@ -156,7 +159,7 @@ def llds_loss(logp, old_logp, advantages, loss_mask, *, gate="action",
 def answer_weight(lam, coef, valid_searches=None):
     """LLDS-MA's answer_weight as the authors' code sets it, relative to lam: the answer span's
     coefficient min(coef, lam), adaptively min(coef * max(V - 1, 0), lam), V = valid_searches the
-    batch's mean valid searches per trajectory (coef = inf: no masking; adaptively 0 while
+    batch's mean valid searches per episode (coef = inf: no masking; adaptively 0 while
     V <= 1, where their formula gives NaN). The paper's appendix writes the adaptive one as
     min(V / 2, 1) x lam: 0.5 lam at V = 1, where the code gives 0. The authors' shipped script
     leaves LLDS-MA off (MASK_ANS=false; its MASK_WEIGHT 0.2 is lambda)."""

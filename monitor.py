@@ -113,9 +113,9 @@ def displacement(batch: dict, after, correct) -> tuple[dict, torch.Tensor]:
         return dict.fromkeys(DISPLACEMENT), change
     idx = torch.nonzero(correct).flatten()
     d = -change[idx]                                                  # (C, T) log pi_old - log pi
-    turn = action_ids(batch["loss_mask"][idx])                                     # (C, T)
-    answer_turn = (turn * batch["answer_mask"][idx].bool()).amax(1, keepdim=True)  # (C, 1)
-    in_answer = (turn == answer_turn) & (answer_turn > 0)
+    action = action_ids(batch["loss_mask"][idx])                                   # (C, T)
+    answer = (action * batch["answer_mask"][idx].bool()).amax(1, keepdim=True)     # (C, 1)
+    in_answer = (action == answer) & (answer > 0)
     values = [d.sum(1).mean(), (d.sum(1) > 0).float().mean(),              # the paper's Fig. 5:
               d.masked_fill(in_answer, 0.0).sum(1).mean(),                 # the turns before,
               d.masked_fill(~in_answer, 0.0).sum(1).mean()]                # the answer turn

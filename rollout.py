@@ -265,18 +265,18 @@ def _generate_turn(kv: fast_hf.KVBatch, logits: torch.Tensor, caps: list[int],
     length = torch.zeros(n_rows, dtype=torch.long, device=device)
     cap = torch.tensor(caps, device=device)
     running = torch.ones(n_rows, dtype=torch.bool, device=device)
-    for step in range(limit):
+    for k in range(limit):                      # decode step k: one token for every row
         new, new_logp = _sample(logits, cfg)
         new = torch.where(running, new, kv.pad_id)
-        tokens[:, step], logps[:, step] = new, new_logp
+        tokens[:, k], logps[:, k] = new, new_logp
         length += running.long()
         stopped = stops.eos[new] | (length >= cap)
         closing = running & stops.closes[new] & ~stopped      # may have closed a tag: decode it
         running &= ~stopped
-        # one host sync a step (one more after a token with '>'): stop strings are text
+        # one host sync a decode step (one more after a token with '>'): stop strings are text
         closing, going = torch.stack([closing, running]).tolist()
         for row in (r for r, c in enumerate(closing) if c):
-            if stops.tag_closed(tokens[row, :step + 1].tolist()):
+            if stops.tag_closed(tokens[row, :k + 1].tolist()):
                 running[row] = going[row] = False
         if not any(going):
             break

@@ -88,8 +88,8 @@ class Config:
     prompts_per_step: int = flag(8, "questions per step", ">= 1")
     group_size: int = flag(8, "rollouts per question: the GRPO group G (paper: 5)", ">= 2")
     drop_tied_groups: int = flag(1, "rounds of redrawing groups whose rewards tie; 0 = off", ">= 0")
-    mini_batch_size: int = flag(32, "trajectories per optimizer step", ">= 1")
-    micro_batch_size: int = flag(4, "trajectories per forward/backward", ">= 1")
+    mini_batch_size: int = flag(32, "episodes per update (one AdamW step)", ">= 1")
+    micro_batch_size: int = flag(4, "episodes per forward/backward", ">= 1")
     verl_minibatches: bool = flag(False, "mini-batches in the authors' order (plumbing/"
                                   "minibatches.py), not shuffled; on in --preset paper")
     lr: float = flag(5e-5, "AdamW learning rate (paper: 1e-6)", ">= 0")
@@ -114,7 +114,7 @@ class Config:
     # monitoring, evaluation, checkpoints
     displacement_every: int = flag(1, "correct responses' displacement every N steps", ">= 0")
     token_view_every: int = flag(10, "<run>/views/step_N.html every N steps and the last", ">= 0")
-    samples_per_step: int = flag(4, "trajectories saved per step in <run>/samples/", ">= 0")
+    samples_per_step: int = flag(4, "episodes saved per step in <run>/samples/", ">= 0")
     spiral_nats: float = flag(5.0, "warn when correct responses lose > this in --spiral-window "
                               "steps while mean reward < 0.7 x its best (monitor.py)", "> 0")
     spiral_window: int = flag(5, "steps of the LLD warning's sums and means", ">= 1")
@@ -357,7 +357,7 @@ def train_step(step: int, cfg: Config, run: runs.Run, sampler, show=None) -> dic
 
 def monitor_step(step, cfg, run, out, records, batch, minibatches, phases) -> dict:
     """Step 5: the rollout's numbers, the correct responses' displacement by this step's updates,
-    every N steps the token view (<run>/views/), sample trajectories and the step's timing."""
+    every N steps the token view (<run>/views/), sample episodes and the step's timing."""
     rewards = torch.tensor([e["reward"] for e in out.episodes], dtype=torch.float32)   # (N,)
     group_ids = torch.arange(len(rewards)) // cfg.group_size                           # (N,)
     metrics = {**monitor.rollout_stats(out, batch["old_logp"], rewards, group_ids),

@@ -33,6 +33,8 @@ anything: each module says what it speeds up or takes care of.
     memory_plan.py  --plan: what a run will hold in memory, from the model's config
     presets.py    train.py's --preset settings: the paper's, one GPU's, the LLD lab's
     plots.py      training curves of one run, or several overlaid
+    metrics_file.py  a run's metrics.jsonl read back, older runs' metric names and signs mapped
+                  to today's
     cli.py        `flag()` config fields -> argparse flags with their --help and values held to
                   each field's declared range; the fields two config classes share; one-line
                   parser errors

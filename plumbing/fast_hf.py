@@ -345,7 +345,7 @@ class PrefixStore:
 def hidden_states(model, input_ids, attention_mask, store: PrefixStore):
     """The last hidden states (B, T, H), the prompt prefix all rows share run once (by `store`).
 
-    The few-shot prompt is most of every CPU-demo trajectory. Its keys/values are computed for one
+    The few-shot prompt is most of every CPU-demo episode. Its keys/values are computed for one
     row, expanded to all rows as a KV cache, and the rest runs on top: the same numbers as one plain
     forward (rows see the same keys/values) and the same gradients (the expansion sums them over
     rows)."""

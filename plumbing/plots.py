@@ -3,6 +3,8 @@ per run, the legend naming each run and the settings in which the runs differ.""
 import json
 from pathlib import Path
 
+from plumbing.metrics_file import read_metrics
+
 GRAD_NORM = "grad norm (max over the step's updates; 0 not drawn)"   # log scale; all-tied steps have norm 0
 # (title, [(metric key, line style)]): solid = the first key, dashed = the second.
 PANELS = [("training reward (-), held-out EM (--)", ["reward", "eval/em"]),
@@ -15,28 +17,6 @@ PANELS = [("training reward (-), held-out EM (--)", ["reward", "eval/em"]),
           ("correct/incorrect pairs sharing the first query", ["lld/shared_first_search"])]
 STYLES = ["-", "--"]
 IGNORED = {"name", "out_dir", "resume"}     # settings that never make runs differ
-
-
-# Metrics that runs logged under other names: old name -> (name now, sign). The correct responses'
-# displacement was logged as after - before (< 0: lost); it is d = before - after now, as in llds.py.
-RENAMED = {"lld/displacement_correct": ("lld/correct_displacement", -1),
-           "lld/displacement_correct_search": ("lld/correct_displacement_search", -1),
-           "lld/displacement_correct_answer": ("lld/correct_displacement_answer", -1),
-           "lld/frac_correct_fell": ("lld/correct_frac_lost", 1)}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """A run's metrics.jsonl, one dict a line, older runs' names and signs mapped to today's."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise SystemExit(f"error: {path} not found; pass the folder of a run (e.g. runs/demo)")
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line]
-    for line in lines:
-        for old, (new, sign) in RENAMED.items():
-            if old in line:
-                value = line.pop(old)
-                line[new] = None if value is None else sign * value
-    return lines
 
 
 def series(lines: list[dict], key: str, positive_only=False) -> list[tuple]:

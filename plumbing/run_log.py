@@ -1,5 +1,5 @@
 """A train.py run's log: config.json, machine.json (the CPU, threads, versions), metrics.jsonl (a
-line a step, cut back to a checkpoint's step on --resume), sample trajectories, the line that
+line a step, cut back to a checkpoint's step on --resume), sample episodes, the line that
 describes the run at start; and --report-to (TRL's name and values): the metrics of metrics.jsonl
 also go, under the same names and steps, to TensorBoard (event files in the run folder, so
 `tensorboard --logdir runs` lists runs by name) and/or Weights & Biases, with the run's config as
@@ -72,7 +72,7 @@ class MetricsLog:
             self.log_samples(step, samples.read_text())
 
     def log_samples(self, step: int, text: str) -> None:
-        """A step's saved trajectories: TensorBoard text (samples), a W&B table, one row per trajectory."""
+        """A step's saved episodes: TensorBoard text (samples), a W&B table, one row per episode."""
         if self.tensorboard is not None:
             self.tensorboard.add_text("samples", "    " + text.replace("\n", "\n    "), step)
             self.tensorboard.flush()
@@ -80,7 +80,7 @@ class MetricsLog:
             import wandb
 
             rows = [[step, block if block.startswith("===") else "=== " + block] for block in text.split("\n=== ") if block.strip()]
-            self.wandb.log({"samples": wandb.Table(columns=["step", "trajectory"], data=rows)}, step=step)
+            self.wandb.log({"samples": wandb.Table(columns=["step", "episode"], data=rows)}, step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:
@@ -172,7 +172,7 @@ def metric_lines(run_dir: Path) -> list[dict]:
 
 
 def write_samples(path: Path, records: list[dict], episodes: list[dict], n: int) -> None:
-    """A few (n; 0 = none, no file) full trajectories as readable text: half correct (when there are), half not."""
+    """A few (n; 0 = none, no file) full episodes as readable text: half correct (when there are), half not."""
     if not n:
         return
     correct = [i for i, e in enumerate(episodes) if e["reward"] > 0]
@@ -183,7 +183,7 @@ def write_samples(path: Path, records: list[dict], episodes: list[dict], n: int)
     blocks = []
     for i in sorted(chosen):
         e = episodes[i]
-        blocks.append(f"=== trajectory {i}  reward {e['reward']:.0f}  searches {e['n_search']}  "
+        blocks.append(f"=== episode {i}  reward {e['reward']:.0f}  searches {e['n_search']}  "
                       f"answer {e['answer']!r}  golds {e['golds']}\nQuestion: {records[i]['question']}\n"
                       f"{e['text']}\n")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +221,7 @@ def describe(cfg, device, n_eval: int, bf16: bool) -> str:
     where = f"cpu ({cpu_model()})" if device.type == "cpu" else str(device)
     return (f"device {where}, bf16 autocast {bf16}; "
             f"{cfg.prompts_per_step} prompts x {cfg.group_size} rollouts, "
-            f"{cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size} optimizer steps per step; "
+            f"{cfg.prompts_per_step * cfg.group_size // cfg.mini_batch_size} updates per step; "
             f"LLDS {llds}; eval: {n_eval} held-out questions, greedy, {cfg.eval_max_turns} "
             f"search turns, retriever {cfg.retriever} top-{cfg.topk}")
 

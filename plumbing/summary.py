@@ -2,6 +2,7 @@
 questions whose score changed and its verdict in words, where the step's time went, peak memory."""
 import json
 import math
+import statistics
 from pathlib import Path
 
 
@@ -18,11 +19,10 @@ def sign_test(before: dict, after: dict) -> dict | None:
     return {"questions": len(pairs), "right": right, "wrong": wrong, "p": p}
 
 
-def paired_change(before: dict, after: dict) -> str:
-    """' (N questions: R turned right, W turned wrong; sign test p = P)', or '' without per-question results."""
-    t = sign_test(before, after)
-    return f" ({t['questions']} questions: {t['right']} turned right, {t['wrong']} turned wrong; " \
-           f"sign test p = {t['p']:.2g})" if t else ""
+def paired_change(test: dict | None) -> str:
+    """' (N questions: R turned right, W turned wrong; sign test p = P)' of a sign_test, or ''."""
+    return (f" ({test['questions']} questions: {test['right']} turned right, {test['wrong']} "
+            f"turned wrong; sign test p = {test['p']:.2g})") if test else ""
 
 
 def verdict(test: dict) -> str:
@@ -35,26 +35,43 @@ def verdict(test: dict) -> str:
     return f"EM fell beyond noise (p = {test['p']:.2g} < 0.05): training hurt; try a smaller --lr"
 
 
+PARTS = ("rollout", "logprob", "update")
+
+
 def final_report(run_dir: Path, summary: dict) -> str:
-    """Final report: EM before/after and whether the change is beyond noise, where the curves and
-    views are, where the time went, peak memory."""
+    """The report of a finished run: its metrics.jsonl, its views/ and train.train's summary."""
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
     steps = [l for l in lines if "reward" in l]
-    parts = ["rollout", "logprob", "update"]
-    total = {p: sum(l[f"timing/{p}"] for l in steps) for p in parts + ["step"]}
-    text = [f"run {run_dir}: {len(steps)} steps logged; reward, displacement of correct responses, entropy "
-            f"and grad norm per step in {run_dir / 'curves.png'}"]
-    if (run_dir / "views" / "index.html").exists():
-        text.append(f"each token's change of likelihood, step by step: {run_dir / 'views' / 'index.html'}")
-    if summary["before"] and summary["after"]:
-        text.append(f"held-out EM: before {summary['before']['eval/em']:.3f} -> after "
-                    f"{summary['after']['eval/em']:.3f}{paired_change(summary['before'], summary['after'])}")
-        test = sign_test(summary["before"], summary["after"])
+    seconds = {p: statistics.fmean(l[f"timing/{p}"] for l in steps) for p in (*PARTS, "step")
+               } if steps else {}
+    before, after = summary["before"], summary["after"]
+    em = (before["eval/em"], after["eval/em"]) if before and after else None
+    views = sorted(int(p.stem.removeprefix("step_"))
+                   for p in (run_dir / "views").glob("step_*.html"))
+    return report(run_dir, len(steps), seconds, em, em and sign_test(before, after), views,
+                  summary.get("peak_memory_gb"))
+
+
+def report(run_dir: Path, n_steps: int, seconds: dict, em: tuple | None, test: dict | None,
+           views: list[int], peak_gb: float | None) -> str:
+    """The report's lines from its numbers (docs/readme_numbers.py prints the README's from a
+    record): seconds, the mean of a step and of each of PARTS; em (before, after) or None; test:
+    sign_test's or None; views: the steps with a token view."""
+    text = [f"run {run_dir}: {n_steps} steps logged; reward, displacement of correct responses, "
+            f"entropy and grad norm per step in {run_dir / 'curves.png'}"]
+    if views:       # the page of the one step viewed, else the index of all
+        which = (f"step {views[0]}'s" if len(views) == 1
+                 else f"a step's ({len(views)} steps, the last {views[-1]})")
+        page = f"step_{views[0]:04d}.html" if len(views) == 1 else "index.html"
+        text.append(f"each token's change of log-prob over {which} updates: "
+                    f"{run_dir / 'views' / page}")
+    if em:
+        text.append(f"held-out EM: before {em[0]:.3f} -> after {em[1]:.3f}{paired_change(test)}")
         if test:
             text.append("  " + verdict(test))
-    if total["step"] > 0:
-        text.append("step time: " + ", ".join(f"{p} {total[p] / total['step']:.0%}" for p in parts)
-                    + f" of {total['step'] / len(steps):.1f} s/step")
-    if summary.get("peak_memory_gb"):
-        text.append(f"peak memory {summary['peak_memory_gb']:.2f} GiB (allocated on a GPU, process RSS on a CPU)")
+    if seconds.get("step"):
+        shares = ", ".join(f"{p} {seconds[p] / seconds['step']:.0%}" for p in PARTS)
+        text.append(f"step time: {shares} of {seconds['step']:.1f} s/step")
+    if peak_gb:
+        text.append(f"peak memory {peak_gb:.2f} GiB (allocated on a GPU, process RSS on a CPU)")
     return "\n".join(text)

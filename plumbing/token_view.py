@@ -1,12 +1,13 @@
-"""Where the likelihood fell: one training step's trajectories token by token, as JSONL (for a
+"""Where the likelihood fell: one training step's episodes token by token, as JSONL (for a
 notebook) and as an HTML page (for a browser), plus one index page per run.
 
 <run>/views/step_NNNN.jsonl   one line per response: group, question, reward, advantage, its
-                              displacement (summed change of log-prob of its model tokens over the
-                              step's updates, after minus before: train.py's displacement pass),
-                              first query, whether that query is shared with a response of the
-                              other outcome in its group, and its tokens after the prompt, each
-                              {"text", "kind": "model" | "obs", "change" (model tokens; else None),
+                              displacement (d = log pi_old - log pi_theta summed over its model
+                              tokens after the step's updates, > 0: it lost likelihood; llds.py's
+                              sign), first query, whether that query is shared with a response of
+                              the other outcome in its group, and its tokens after the prompt, each
+                              {"text", "kind": "model" | "obs", "change" (its log-prob after minus
+                              before the step's updates, so minus its d; None off model tokens),
                               "action" (1..K on model tokens, 0 elsewhere), "llds" (LLDS penalises it
                               at the step's end: a preserving response, an open gate, a fall)}.
 <run>/views/step_NNNN.html    the same, group by group, correct responses first: model tokens
@@ -66,7 +67,7 @@ def response_rows(tokenizer, out, batch, change: torch.Tensor, group_ids: torch.
                    "llds": bool(llds_on[i, t])} for t in span]
         rows.append({"row": i, "group": int(group_ids[i]), "question": records[i]["question"],
                      "golds": e["golds"], "answer": e["answer"], "reward": e["reward"],
-                     "advantage": float(batch["advantages"][i]), "displacement": change[i][mask[i]].sum().item(),
+                     "advantage": float(batch["advantages"][i]), "displacement": -change[i][mask[i]].sum().item(),
                      "first_query": firsts[i], "shared_first_search": shared, "tokens": tokens})
     return rows
 
@@ -83,7 +84,8 @@ def page(rows: list[dict], step: int, run_name: str) -> str:
     parts = [f"<!doctype html><meta charset=utf-8><title>{html.escape(run_name)} step {step}</title>{STYLE}",
              f"<h1>{html.escape(run_name)}: step {step}</h1><p>Model tokens coloured by their change of "
              f"log-probability over the step's updates (red fell, blue rose; full colour at |change| >= "
-             f"{scale:.3g} nats); observations grey; a bar starts each action; LLDS tokens underlined; a "
+             f"{scale:.3g} nats); a response's displacement is minus their sum (> 0: it lost likelihood); "
+             f"observations grey; a bar starts each action; LLDS tokens underlined; a "
              f"first search shared by a correct and an incorrect response of the group framed in green.</p>"]
     for g in sorted({r["group"] for r in rows}):
         group = sorted((r for r in rows if r["group"] == g), key=lambda r: -r["reward"])
@@ -124,5 +126,6 @@ def write_step_view(run_dir: Path, step: int, *args) -> Path:
     (views / "index.html").write_text(
         f"<!doctype html><meta charset=utf-8><title>{Path(run_dir).name}: token views</title>{STYLE}"
         f"<h1>{Path(run_dir).name}: token views</h1><table><tr><th>step</th><th>responses</th>"
-        f"<th>correct</th><th>mean displacement of correct</th></tr>{''.join(lines)}</table>")
+        f"<th>correct</th><th>mean displacement of correct (> 0: lost likelihood)</th></tr>"
+        f"{''.join(lines)}</table>")
     return views / f"{name}.html"

@@ -266,7 +266,7 @@ def test_the_normaliser_is_the_one_difference_in_a_whole_step(tmp_path, monkeypa
 
 
 def test_the_size_of_the_normaliser_difference_at_the_papers_lengths():
-    """Per GPU the authors' mini-batch is 64 trajectories in micro-batches of 16, over 4 GPUs: 16
+    """Per GPU the authors' mini-batch is 64 episodes in micro-batches of 16, over 4 GPUs: 16
     micro-batches averaged. With independent lengths U[60, 900] a token weighs N / (16 N_m) times
     ours: docs/method.md quotes this test's spread."""
     gen = torch.Generator().manual_seed(0)

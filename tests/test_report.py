@@ -106,14 +106,14 @@ def test_tensorboard_and_wandb_hold_the_numbers_of_metrics_jsonl(tmp_path, alter
 
     tb, hparams = tensorboard_scalars(run)
     assert tb.keys() == expected.keys()
-    assert tensorboard_text_steps(run) == [1, 2]                 # each step's saved trajectories
+    assert tensorboard_text_steps(run) == [1, 2]                 # each step's saved episodes
     for key, value in expected.items():                # TensorBoard stores float32
         assert tb[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
     assert hparams["lr"] == pytest.approx(cfg.lr) and hparams["name"] == "run" and hparams["llds"] == 1   # bools become numbers
 
     wb, config = wandb_scalars(run)
     tables = {k: v for k, v in wb.items() if k[0] == "samples"}
-    assert set(tables) == {("samples", 1), ("samples", 2)}      # a table of trajectories per step (nested keys)
+    assert set(tables) == {("samples", 1), ("samples", 2)}      # a table of episodes per step (nested keys)
     assert {k: v for k, v in wb.items() if k[0] != "samples"} == expected   # JSON doubles: exactly the same numbers
     assert config["lr"] == cfg.lr and config["report_to"] == "tensorboard,wandb"
     out = capsys.readouterr().out

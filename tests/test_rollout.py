@@ -172,7 +172,7 @@ def test_invalid_action_gets_fixed_message():
 
 
 def test_eos_in_a_search_turn_ends_the_episode_and_is_trained_on():
-    # A sampled EOS ends the episode unfinished; it stays in the trajectory with loss 1 and
+    # A sampled EOS ends the episode unfinished; it stays in the episode with loss 1 and
     # nothing is appended (the script would go on, so an appended message would show).
     pieces = [(enc("I am not sure") + [EOS], False)]
     out, [(ids, kinds, plen)], retriever = run([pieces], max_turns=3)

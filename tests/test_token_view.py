@@ -1,5 +1,5 @@
 """The token view (plumbing/token_view.py) of a real tiny run: its per-token numbers add up to the
-logged displacement, and its page marks what the JSONL says."""
+logged displacement, with its sign, and its page marks what the JSONL says."""
 import json
 import re
 import shutil
@@ -22,11 +22,13 @@ def test_token_changes_sum_to_the_logged_displacement(tmp_path, alternating_rewa
         for r in rows:
             model = [t for t in r["tokens"] if t["kind"] == "model"]
             assert model and all(t["change"] is None for t in r["tokens"] if t["kind"] == "obs")
-            assert sum(t["change"] for t in model) == pytest.approx(r["displacement"], abs=1e-5)
+            # d = before - after: a response's displacement is minus its tokens' summed change
+            assert -sum(t["change"] for t in model) == pytest.approx(r["displacement"], abs=1e-5)
             assert all(not t["llds"] for t in r["tokens"] if t["kind"] == "obs" or r["advantage"] < 0)
             assert all(t["change"] < 0 for t in model if t["llds"])     # LLDS penalises falls only
         correct = [r["displacement"] for r in rows if r["reward"] > 0]
-        assert sum(correct) / len(correct) == pytest.approx(-line["lld/correct_displacement"], abs=1e-5)
+        mean = sum(correct) / len(correct)
+        assert mean == pytest.approx(line["lld/correct_displacement"], abs=1e-5)
         page = (tmp_path / "run" / "views" / f"step_{line['step']:04d}.html").read_text()
         n_model = sum(t["kind"] == "model" for r in rows for t in r["tokens"])
         assert len(re.findall(r'<span class="model', page)) == n_model
@@ -35,9 +37,11 @@ def test_token_changes_sum_to_the_logged_displacement(tmp_path, alternating_rewa
     assert 'href="step_0001.html"' in index and 'href="step_0002.html"' in index
 
 
-def test_the_last_step_has_a_view_between_every_nth(tmp_path):
+def test_the_last_step_has_a_view_between_every_nth_and_the_report_names_its_page(tmp_path, capsys):
     train.train(tiny_config(tmp_path, steps=2, token_view_every=10, eval_size=0), *tiny_policy())
     assert sorted(p.name for p in (tmp_path / "run" / "views").glob("step_*.html")) == ["step_0002.html"]
+    page = tmp_path / "run" / "views" / "step_0002.html"
+    assert f"each token's change of log-prob over step 2's updates: {page}" in capsys.readouterr().out
 
 
 def test_no_view_is_written_when_off(tmp_path):

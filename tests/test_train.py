@@ -62,7 +62,7 @@ def test_two_steps_end_to_end(tmp_path, alternating_rewards):
         assert line["reward"] == 0.5 and line["lld/logp_correct"] < 0 and line["lld/logp_incorrect"] < 0
         assert 0 <= line["lld/correct_frac_lost"] <= 1 and line["skipped_steps"] == 0
     assert summary["before"]["eval/em"] == 0.0 and "eval/em" in summary["after"]
-    assert (run / "samples" / "step_0002.txt").read_text().count("=== trajectory") == 2
+    assert (run / "samples" / "step_0002.txt").read_text().count("=== episode") == 2
     assert (run / "curves.png").stat().st_size > 0 and (run / "latest").read_text() == "ckpt-2"
     # keep_ckpts=2 keeps ckpt-1 and ckpt-2; the final one is a loadable HF folder.
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-1", "ckpt-2"]
@@ -114,7 +114,7 @@ class GradRecorder(torch.optim.SGD):
 
 
 def test_micro_batches_accumulate_to_the_mini_batch_token_mean(tmp_path, alternating_rewards, monkeypatch):
-    # One mini-batch of 4 trajectories with different numbers of model tokens: the gradient with
+    # One mini-batch of 4 episodes with different numbers of model tokens: the gradient with
     # micro-batches of 1 must equal the gradient of one micro-batch of 4 (token-mean over all),
     # entropy bonus and KL included.
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kwargs: GradRecorder(params))
@@ -620,9 +620,11 @@ def test_paired_change_counts_turned_questions_and_gives_the_exact_sign_test():
     before = {"eval/correct": [0] * 10 + [1] * 5}
     after = {"eval/correct": [1] * 8 + [0] * 2 + [1] * 4 + [0]}
     # 8 turned right, 1 turned wrong: p = 2 * (C(9,0) + C(9,1)) / 2^9 = 20 / 512
-    assert summary.paired_change(before, after) == " (15 questions: 8 turned right, 1 turned wrong; sign test p = 0.039)"
-    assert summary.paired_change(before, before).endswith("0 turned right, 0 turned wrong; sign test p = 1)")
-    assert summary.paired_change({}, {}) == ""
+    assert summary.paired_change(summary.sign_test(before, after)) == \
+        " (15 questions: 8 turned right, 1 turned wrong; sign test p = 0.039)"
+    assert summary.paired_change(summary.sign_test(before, before)).endswith(
+        "0 turned right, 0 turned wrong; sign test p = 1)")
+    assert summary.paired_change(summary.sign_test({}, {})) == ""
 
 
 def test_the_verdict_says_in_words_whether_the_change_is_beyond_noise():

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def verl_batch(seed=0):
-    """6 responses x 12 tokens in veRL's layout, and the same trajectories as full rows (prompt + response)."""
+    """6 responses x 12 tokens in veRL's layout, and the same episodes as full rows (prompt + response)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [12, 9, 12, 5, 11, 7]
     response_mask = torch.zeros(6, 12)
@@ -43,7 +43,7 @@ def test_verl_layout_gives_the_penalty_of_full_rows():
     ours, _ = llds_verl_loss(log_prob, old, advantages, response_mask, "token-mean")
     (grad,) = torch.autograd.grad(ours, log_prob)
 
-    # The same trajectories as train.py holds them: a left-padded prompt before each response.
+    # The same episodes as train.py holds them: a left-padded prompt before each response.
     prompt = 5
     full_logp = torch.cat([torch.zeros(6, prompt), log_prob], dim=1)
     full_old = torch.cat([torch.zeros(6, prompt), old], dim=1)

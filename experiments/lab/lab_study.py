@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from experiments.lab.lab import PILOT_LRS, PILOT_UPDATES, REGISTERED  # noqa: E402
 from experiments.lld_study.lld_study import bootstrap_mean  # noqa: E402
-from plumbing.plots import read_metrics  # noqa: E402
+from plumbing.metrics_file import read_metrics  # noqa: E402
 
 ARMS = {"grpo": "plain GRPO", "llds": "GRPO + LLDS"}
 COLOURS = {"grpo": "tab:red", "llds": "tab:blue"}

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from plumbing.plots import read_metrics  # noqa: E402
+from plumbing.metrics_file import read_metrics  # noqa: E402
 
 
 def longest_fall(points):

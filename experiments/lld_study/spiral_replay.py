@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from plumbing.plots import read_metrics  # noqa: E402
+from plumbing.metrics_file import read_metrics  # noqa: E402
 from monitor import SpiralMonitor  # noqa: E402
 
 DESIGN_SEEDS = {0, 1, 2, 3, 4, 6, 8}            # the study's; 5, 7 and 9 are held out
@@ -79,13 +79,19 @@ def replay(study: Path, lab: Path) -> list[dict]:
     return rows
 
 
-def counts(rows: list[dict]) -> str:
+def tally(rows: list[dict]) -> dict:
+    """Runs that broke down, how many of them the warning came before; runs that did not, how many
+    of them it warned in (false alarms)."""
     broke = [r for r in rows if r["breakdown"] is not None]
-    early = sum(r["warning"] is not None and r["warning"] < r["breakdown"] for r in broke)
     calm = [r for r in rows if r["breakdown"] is None]
-    alarms = sum(r["warning"] is not None for r in calm)
-    return (f"warned before breakdown {early}/{len(broke)}, "
-            f"false alarms {alarms}/{len(calm)}")
+    return {"broke": len(broke), "calm": len(calm),
+            "early": sum(r["warning"] is not None and r["warning"] < r["breakdown"] for r in broke),
+            "alarms": sum(r["warning"] is not None for r in calm)}
+
+
+def counts(rows: list[dict]) -> str:
+    t = tally(rows)
+    return f"warned before breakdown {t['early']}/{t['broke']}, false alarms {t['alarms']}/{t['calm']}"
 
 
 def show(step: int | None) -> str:

@@ -129,6 +129,7 @@ PASSED_OVER = {
     "plumbing/runs.py:Phases": "bookkeeping: each phase's time and the progress bar",
     "train.py:rollout_config": "bookkeeping: the run's settings as rollout.py's",
     "plumbing/dynamic_sampling.py:replace_rows": "bookkeeping: a redrawn group's rows swapped in",
+    "plumbing/minibatches.py:verl_order": "the authors' mini-batch order (--verl-minibatches)",
     "train.py:masked_mean": "the logged statistics' means",
     "llds.py:_response_advantage": "advantages given per token (veRL's layout), not train.py's",
 }

@@ -37,6 +37,7 @@ import itertools
 import math
 import re
 import statistics
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -46,6 +47,7 @@ from plumbing.search_health import search_health
 from rollout import normalize_answer
 
 REWARD_FRACTION = 0.7      # of the best earlier window's mean reward: below it, reward is falling
+BASELINE = 3               # a signal's change is read against its mean over the run's first steps
 
 
 def rollout_stats(ro_out, old_logp, rewards, group_ids) -> dict:
@@ -182,3 +184,35 @@ class SpiralMonitor:
                 "--llds, or a larger --llds-lambda)")
         h["best"] = max(best or 0.0, mean)
         return warnings
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A sign read from one logged signal each step: its level, or its change from its mean over
+    the run's first BASELINE steps, averaged over the last `window` steps, above or below
+    `threshold`. The warning's candidates (experiments/spiral/detector.py) and its rule."""
+    signal: str
+    change: bool
+    window: int
+    above: bool
+    threshold: float
+
+    def reading(self, values: list) -> float | None:
+        """The reading at the last of `values`, the signal at each training step so far (None
+        where it was not logged); None until there is one (a missing value in the window, or a
+        change before the baseline's steps have passed)."""
+        last = values[-self.window:]
+        if len(last) < self.window or None in last or (self.change and len(values) <= BASELINE):
+            return None
+        seen = [v for v in values[:BASELINE] if v is not None] if self.change else [0.0]
+        return statistics.fmean(last) - statistics.fmean(seen) if seen else None
+
+    def fires(self, values: list) -> bool:
+        x = self.reading(values)
+        return x is not None and (x > self.threshold if self.above else x < self.threshold)
+
+    def __str__(self) -> str:
+        text = f"{'change of ' if self.change else ''}{self.signal}"
+        text += f" (mean of {self.window} steps)" if self.window > 1 else ""
+        return f"{text} {'>' if self.above else '<'} {self.threshold:.4g}"
+

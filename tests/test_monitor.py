@@ -184,3 +184,17 @@ def test_grad_norm_z_against_the_runs_own_earlier_steps():
     assert zs[5] == pytest.approx((5.0 - 2.0) / 1.0)      # mean 2, sd 1 over 1, 2, 3
     resumed = SpiralMonitor(history=json.loads(json.dumps(warning.history)))
     assert resumed.grad_norm_z(2.0) == pytest.approx((2.0 - 2.75) / statistics.stdev([1, 2, 3, 5]))
+
+
+def test_a_condition_reads_a_level_or_a_change_from_the_runs_first_steps_causally():
+    level = monitor.Condition("entropy", change=False, window=2, above=True, threshold=0.5)
+    change = monitor.Condition("entropy", change=True, window=1, above=True, threshold=0.25)
+    values = [0.3, None, 0.5, 0.6, 0.9]
+    # level, mean of 2 steps: None while a value of the window is missing
+    assert [level.reading(values[:i]) for i in range(1, 6)] == [
+        None, None, None, pytest.approx(0.55), pytest.approx(0.75)]
+    # change from the mean of steps 1-3's logged values (0.4), only after step 3
+    assert [change.reading(values[:i]) for i in range(1, 6)] == [
+        None, None, None, pytest.approx(0.2), pytest.approx(0.5)]
+    assert [change.fires(values[:i]) for i in range(1, 6)] == [False] * 4 + [True]
+    assert str(level) == "entropy (mean of 2 steps) > 0.5"

@@ -6,7 +6,8 @@ replayed over run folders and scored against the runs' breakdowns.
 A rule warns at a step; a breakdown is *warned* when the first warning comes at least LEAD steps
 before its onset; a *false alarm* is a run that never breaks down and is warned. A candidate is a
 threshold on one signal, read as its level or as its change from the mean of the run's first
-BASELINE steps, at one step or as the mean of the last 1-3 steps; or two such conditions at once.
+BASELINE steps (monitor.py), at one step or as the mean of the last 1-3 steps; or two such
+conditions at once.
 The design picks, among candidates with at most MAX_ALARM_RATE false alarms per non-breaking
 run, the highest recall, then the longer median lead, then the fewer conditions.
 """
@@ -14,58 +15,28 @@ import argparse
 import itertools
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from experiments.spiral.spiral_study import breakdown_onset  # noqa: E402
+from monitor import Condition  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
-LEAD, BASELINE, MAX_ALARM_RATE = 2, 3, 0.1
+LEAD, MAX_ALARM_RATE = 2, 0.1
 SIGNALS = ("lld/correct_displacement", "frac_reward_zero_std", "valid_action_ratio", "finished",
            "entropy", "grad_norm", "grad_norm_max", "clip_ratio", "response_length", "searches",
            "reward", "ctrl/p_search", "ctrl/p_answer", "ctrl/p_close", "grad_norm_z")
 THRESHOLDS = np.linspace(0.05, 0.95, 19)     # quantiles of a signal's design values
 
 
-@dataclass(frozen=True)
-class Condition:
-    """signal (as level or change, averaged over `window` steps) above/below threshold."""
-    signal: str
-    change: bool
-    window: int
-    above: bool
-    threshold: float
-
-    def values(self, lines: list[dict]) -> list[float | None]:
-        """The condition's reading at each training step (None where the signal is missing)."""
-        raw = [l.get(self.signal) for l in lines]
-        seen = [v for v in raw[:BASELINE] if v is not None]
-        base = statistics.fmean(seen) if self.change and seen else 0.0
-        if self.change and not seen:
-            return [None] * len(raw)
-        out = []
-        for i in range(len(raw)):
-            last = [v for v in raw[max(0, i - self.window + 1):i + 1] if v is not None]
-            out.append(statistics.fmean(last) - base if len(last) == self.window else None)
-        return out
-
-    def fires(self, lines: list[dict]) -> list[bool]:
-        return [v is not None and (v > self.threshold if self.above else v < self.threshold)
-                for v in self.values(lines)]
-
-    def __str__(self) -> str:
-        reading = f"{'change of ' if self.change else ''}{self.signal}"
-        reading += f" (mean of {self.window} steps)" if self.window > 1 else ""
-        return f"{reading} {'>' if self.above else '<'} {self.threshold:.4g}"
-
-
 def first_warning(rule: tuple[Condition, ...], lines: list[dict]) -> int | None:
-    """The first training step at which every condition of the rule fires."""
-    fired = [all(f) for f in zip(*(c.fires(lines) for c in rule))]
-    return next((l["step"] for l, f in zip(lines, fired) if f), None)
+    """The first training step at which every condition of the rule fires, each fed the run's
+    steps so far, as train.py's monitor is."""
+    series = {c.signal: [l.get(c.signal) for l in lines] for c in rule}
+    return next((l["step"] for i, l in enumerate(lines)
+                 if all(c.fires(series[c.signal][:i + 1]) for c in rule)), None)
 
 
 def training_lines(folder: Path) -> list[dict]:
@@ -96,7 +67,9 @@ def candidates(runs: list[dict]) -> list[Condition]:
     out = []
     for signal, change, window in itertools.product(SIGNALS, (False, True), (1, 2, 3)):
         probe = Condition(signal, change, window, True, 0.0)
-        values = [v for r in runs for v in probe.values(r["lines"]) if v is not None]
+        values = [probe.reading([l.get(signal) for l in r["lines"][:i + 1]])
+                  for r in runs for i in range(len(r["lines"]))]
+        values = [v for v in values if v is not None]
         if len(set(values)) < 2:
             continue
         for t in sorted(set(np.quantile(values, THRESHOLDS).round(6))):

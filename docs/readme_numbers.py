@@ -1,10 +1,11 @@
-"""docs/readme_numbers.py: README.md's measured numbers, rendered from their committed records.
+"""docs/readme_numbers.py: the measured numbers of README.md and of the spiral study's README,
+rendered from their committed records.
 
-    .venv/bin/python docs/readme_numbers.py            # rewrite README.md's blocks (make docs)
-    .venv/bin/python docs/readme_numbers.py --check    # exit 1 with a diff where README.md differs
+    .venv/bin/python docs/readme_numbers.py            # rewrite the pages' blocks (make docs)
+    .venv/bin/python docs/readme_numbers.py --check    # exit 1 with a diff where a page differs
 
-A block of README.md runs from a line `<!-- make docs: NAME -->` to the next `<!-- end -->`, and
-BLOCKS[NAME] writes it: a number changes when its record (or the code that prints it) changes,
+A block of a page (PAGES) runs from a line `<!-- make docs: NAME -->` to the next `<!-- end -->`,
+and the page's BLOCKS[NAME] writes it: a number changes when its record (or the code that prints it) changes,
 never by hand, and tests/test_readme.py fails when README.md differs from what this renders. A
 figure with no record has no block: it is not in the README. The records: the runs of `make
 train` on fresh clones (experiments/demo_seeds/runs.jsonl), the demo against LoRA on an AVX2-only
@@ -170,38 +171,44 @@ def results() -> str:
         f"so its LLDS study did not run | [lab](experiments/lab/README.md) |"])
 
 
+def spiral_pilot() -> str:
+    """The spiral study's pilot, cell by cell (experiments/spiral/spiral_study.py)."""
+    from experiments.spiral import spiral_study
+    return "\n".join(spiral_study.pilot_table(ROOT / "experiments/spiral/pilot"))
+
+
 BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results}
+PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {"spiral-pilot": spiral_pilot}}
 
 
-def render(text: str) -> str:
-    """README.md's text with every block written afresh; a block unknown here, or one of BLOCKS
+def render(text: str, page: str = "README.md") -> str:
+    """A page's text with every block written afresh; a block unknown here, or one of its BLOCKS
     missing there, is an error."""
-    found = BLOCK.findall(text)
-    unknown, missing = set(found) - set(BLOCKS), set(BLOCKS) - set(found)
+    blocks, found = PAGES[page], BLOCK.findall(text)
+    unknown, missing = set(found) - set(blocks), set(blocks) - set(found)
     if unknown or missing:
-        raise SystemExit(f"error: README.md's blocks {sorted(unknown)} are not rendered here, and "
-                         f"{sorted(missing)} are not in README.md")
-    return BLOCK.sub(lambda m: f"<!-- make docs: {m.group(1)} -->\n{BLOCKS[m.group(1)]()}\n"
+        raise SystemExit(f"error: {page}'s blocks {sorted(unknown)} are not rendered here, and "
+                         f"{sorted(missing)} are not in {page}")
+    return BLOCK.sub(lambda m: f"<!-- make docs: {m.group(1)} -->\n{blocks[m.group(1)]()}\n"
                                "<!-- end -->", text)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help="change nothing; exit 1 with a diff when README.md differs")
+                        help="change nothing; exit 1 with a diff when a page differs")
     args = parser.parse_args(argv)
-    readme = ROOT / "README.md"
-    old = readme.read_text()
-    new = render(old)
-    if args.check:
-        diff = difflib.unified_diff(old.splitlines(), new.splitlines(), "README.md", "rendered",
-                                    lineterm="")
-        if new != old:
-            raise SystemExit("\n".join(diff))
-        print("README.md's numbers are what their records give")
-    else:
-        readme.write_text(new)
-        print(f"{readme}: {len(BLOCKS)} blocks rendered from their records")
+    for page in PAGES:
+        old = (ROOT / page).read_text()
+        new = render(old, page)
+        if args.check:
+            if new != old:
+                raise SystemExit("\n".join(difflib.unified_diff(
+                    old.splitlines(), new.splitlines(), page, "rendered", lineterm="")))
+            print(f"{page}: its numbers are what their records give")
+        else:
+            (ROOT / page).write_text(new)
+            print(f"{page}: {len(PAGES[page])} blocks rendered from their records")
 
 
 if __name__ == "__main__":

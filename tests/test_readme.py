@@ -99,11 +99,12 @@ def test_the_readme_numbers_are_what_their_records_give():
     spec = importlib.util.spec_from_file_location("readme_numbers", ROOT / "docs/readme_numbers.py")
     numbers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(numbers)
-    text = (ROOT / "README.md").read_text()
-    rendered = numbers.render(text)
-    assert rendered == text, "README.md differs from its records; run `make docs`:\n" + "\n".join(
-        difflib.unified_diff(text.splitlines(), rendered.splitlines(), "README.md", "rendered",
-                             lineterm=""))
+    for page in numbers.PAGES:
+        text = (ROOT / page).read_text()
+        rendered = numbers.render(text, page)
+        assert rendered == text, f"{page} differs from its records; run `make docs`:\n" + "\n".join(
+            difflib.unified_diff(text.splitlines(), rendered.splitlines(), page, "rendered",
+                                 lineterm=""))
 
 
 # ---- The reading guide is the code's path from a sampled token to loss.backward() --------------

@@ -152,15 +152,20 @@ def tables(rows: list[dict], result: dict) -> list[str]:
     return lines
 
 
-def pilot_lines(pilot: Path) -> list[str]:
-    """One line per pilot cell: its runs' breakdowns (plain GRPO only)."""
-    lines = []
-    for cell in sorted(d for d in pilot.iterdir() if d.is_dir()):
+def pilot_table(pilot: Path) -> list[str]:
+    """One row per pilot cell (plain GRPO only): its runs and their breakdowns' onsets."""
+    lines = ["| learning rate | steps | runs finished / started | broke down | onsets (seed: step) |",
+             "|---|---|---|---|---|"]
+    cells = sorted((d for d in pilot.iterdir() if d.is_dir()),
+                   key=lambda d: float(d.name.removeprefix("lr").split("-s")[0])) \
+        if pilot.is_dir() else []
+    for cell in cells:
         rows = study_rows(cell)
         done = [r for r in rows if r["finished"]]
-        onsets = ", ".join(f"s{r['seed']}: {show(r['onset'])}" for r in rows)
-        lines.append(f"pilot {cell.name}: {sum(r['onset'] is not None for r in done)} of "
-                     f"{len(done)} finished runs broke down ({len(rows)} started; onsets {onsets})")
+        lr, steps = cell.name.removeprefix("lr").split("-s")
+        onsets = ", ".join(f"{r['seed']}: {show(r['onset'])}" for r in rows)
+        lines.append(f"| {lr} | {steps} | {len(done)} / {len(rows)} | "
+                     f"{sum(r['onset'] is not None for r in done)} of {len(done)} | {onsets} |")
     return lines
 
 
@@ -169,8 +174,7 @@ def main(argv=None) -> dict:
     parser.add_argument("root", type=Path, help="experiments/spiral: its pilot/ and study/ folders")
     parser.add_argument("--figure", type=Path, help="write the survival figure here (PNG)")
     args = parser.parse_args(argv)
-    if (args.root / "pilot").is_dir():
-        print("\n".join(pilot_lines(args.root / "pilot")))
+    print("\n".join(pilot_table(args.root / "pilot")))
     if not (args.root / "study").is_dir():
         print(f"no {args.root / 'study'}: no counted seed has finished")
         return {}

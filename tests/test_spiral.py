@@ -77,3 +77,14 @@ def test_the_detectors_design_finds_the_signal_that_rises_before_the_breakdowns(
     late = detector.Condition("reward", False, 1, False, 0.3)          # fires at step 12
     assert detector.score((late,), runs)["warned"] == 0
     assert detector.first_warning((late,), runs[0]["lines"]) == 12
+
+
+def test_make_spiral_runs_on_the_committed_folders(tmp_path, capsys):
+    from pathlib import Path
+
+    from experiments.spiral import spiral_study
+    root = Path(__file__).resolve().parent.parent / "experiments/spiral"
+    spiral_study.main([str(root), "--figure", str(tmp_path / "survival.png")])
+    out = capsys.readouterr().out
+    assert "| learning rate | steps |" in out
+    assert (tmp_path / "survival.png").exists() == (root / "study").is_dir()

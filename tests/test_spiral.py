@@ -88,3 +88,22 @@ def test_make_spiral_runs_on_the_committed_folders(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| learning rate | steps |" in out
     assert (tmp_path / "survival.png").exists() == (root / "study").is_dir()
+
+
+def test_a_design_is_recorded_and_replayed_on_other_seeds(tmp_path):
+    import json
+
+    from experiments.spiral import detector
+    for k in range(4):            # seeds 0-3; 0 and 2 fall at step 12, entropy up from step 9
+        falls = k % 2 == 0
+        run = tmp_path / f"grpo-s{k}"
+        run.mkdir()
+        run.joinpath("metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "reward": 0.05 if falls and s >= 12 else 0.5,
+             "entropy": (1.0 if falls and s >= 9 else 0.4) + 0.001 * (s % 3)}) + "\n"
+            for s in range(1, 16)))
+    record = detector.write_design(tmp_path, "0-1", tmp_path / "design.json")
+    assert json.loads((tmp_path / "design.json").read_text()) == record
+    assert record["chosen"][0]["signal"] == "entropy"
+    rows = detector.table(record, tmp_path, {2, 3})
+    assert rows[2].startswith("| **chosen** | entropy") and "| 1 / 1 | 4 | 0 / 1 | 0.0 |" in rows[2]

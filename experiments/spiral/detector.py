@@ -2,6 +2,7 @@
 replayed over run folders and scored against the runs' breakdowns.
 
     .venv/bin/python experiments/spiral/detector.py design experiments/spiral/study --seeds 0-14
+    .venv/bin/python experiments/spiral/detector.py replay experiments/spiral/study --seeds 15-29
 
 A rule warns at a step; a breakdown is *warned* when the first warning comes at least LEAD steps
 before its onset; a *false alarm* is a run that never breaks down and is warned. A candidate is a
@@ -12,7 +13,9 @@ The design picks, among candidates with at most MAX_ALARM_RATE false alarms per 
 run, the highest recall, then the longer median lead, then the fewer conditions.
 """
 import argparse
+import dataclasses
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +28,7 @@ from monitor import Condition  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
 LEAD, MAX_ALARM_RATE = 2, 0.1
+DESIGN = Path(__file__).resolve().parent / "design.json"      # the design's record, committed
 SIGNALS = ("lld/correct_displacement", "frac_reward_zero_std", "valid_action_ratio", "finished",
            "entropy", "grad_norm", "grad_norm_max", "clip_ratio", "response_length", "searches",
            "reward", "ctrl/p_search", "ctrl/p_answer", "ctrl/p_close", "grad_norm_z")
@@ -110,21 +114,55 @@ def load(folder: Path, seeds: set[int] | None) -> list[dict]:
     return runs
 
 
-def main(argv=None) -> dict:
+def seed_range(text: str) -> set[int]:
+    first, _, last = text.partition("-")
+    return set(range(int(first), int(last or first) + 1))
+
+
+def as_json(rule: tuple[Condition, ...]) -> list[dict]:
+    return [dataclasses.asdict(c) for c in rule]
+
+
+def from_json(rule: list[dict]) -> tuple[Condition, ...]:
+    return tuple(Condition(**c) for c in rule)
+
+
+def write_design(runs_folder: Path, seeds: str, out: Path) -> dict:
+    """The design on the seeds given, written to `out` (commit it before any held-out run)."""
+    result = design(load(runs_folder, seed_range(seeds)))
+    record = {"design_seeds": seeds, "chosen": as_json(result["chosen"]), "score": result["score"],
+              "signals": {k: {"rule": as_json(r), "score": sc}
+                          for k, (r, sc) in sorted(result["signals"].items())}}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def table(record: dict, runs_folder: Path, seeds: set[int]) -> list[str]:
+    """The chosen rule and each signal's best single condition, scored on the runs of `seeds`."""
+    runs = load(runs_folder, seeds)
+    rules = [("**chosen**", from_json(record["chosen"]))] + [
+        (signal, from_json(entry["rule"])) for signal, entry in record["signals"].items()]
+    lines = ["| signal | rule | breakdowns warned >= 2 steps before | median lead (steps) | "
+             "false alarms / runs without a breakdown | per 10 |", "|---|---|---|---|---|---|"]
+    for name, rule in rules:
+        s = score(rule, runs)
+        per_10 = "-" if s["alarms_per_10"] is None else f"{s['alarms_per_10']:.1f}"
+        lines.append(f"| {name} | {s['rule']} | {s['warned']} / {s['breakdowns']} | "
+                     f"{'-' if s['median_lead'] is None else s['median_lead']} | "
+                     f"{s['false_alarms']} / {s['calm']} | {per_10} |")
+    return lines
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stage", choices=["design"])
-    parser.add_argument("runs", type=Path)
-    parser.add_argument("--seeds", help="e.g. 0-14")
+    parser.add_argument("stage", choices=["design", "replay"])
+    parser.add_argument("runs", type=Path, help="experiments/spiral/study")
+    parser.add_argument("--seeds", required=True, help="e.g. 0-14")
+    parser.add_argument("--design", type=Path, default=DESIGN, help="the design's record")
     args = parser.parse_args(argv)
-    seeds = None
-    if args.seeds:
-        first, _, last = args.seeds.partition("-")
-        seeds = set(range(int(first), int(last or first) + 1))
-    result = design(load(args.runs, seeds))
-    print(f"chosen: {result['score']}")
-    for signal, (_, s) in sorted(result["signals"].items()):
-        print(f"best single {signal}: {s}")
-    return result
+    if args.stage == "design":
+        write_design(args.runs, args.seeds, args.design)
+    print("\n".join(table(json.loads(args.design.read_text()), args.runs, seed_range(args.seeds))))
 
 
 if __name__ == "__main__":

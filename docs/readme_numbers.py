@@ -171,14 +171,45 @@ def results() -> str:
         f"so its LLDS study did not run | [lab](experiments/lab/README.md) |"])
 
 
+SPIRAL = ROOT / "experiments/spiral"
+
+
 def spiral_pilot() -> str:
     """The spiral study's pilot, cell by cell (experiments/spiral/spiral_study.py)."""
     from experiments.spiral import spiral_study
-    return "\n".join(spiral_study.pilot_table(ROOT / "experiments/spiral/pilot"))
+    return "\n".join(spiral_study.pilot_table(SPIRAL / "pilot"))
+
+
+def spiral_outcome() -> str:
+    """The counted seeds' outcome tables (experiments/spiral/spiral_study.py)."""
+    from experiments.spiral import spiral_study
+    if not (SPIRAL / "study").is_dir():
+        return "No counted seed has finished yet."
+    rows = spiral_study.study_rows(SPIRAL / "study")
+    figure = "![survival of plain GRPO and GRPO + LLDS](survival.png)\n\n"
+    return figure + "\n".join(spiral_study.tables(rows, spiral_study.outcome(rows)))
+
+
+def spiral_detector() -> str:
+    """The warning's design (experiments/spiral/design.json) scored on the design seeds and on
+    the held-out seeds that have finished (experiments/spiral/detector.py)."""
+    from experiments.spiral import detector
+    if not detector.DESIGN.exists():
+        return "No design yet: it is made on seeds 0-14 once both arms of each have finished."
+    record = json.loads(detector.DESIGN.read_text())
+    design = detector.seed_range(record["design_seeds"])
+    held = {int(d.name.rsplit("-s", 1)[1]) for d in (SPIRAL / "study").glob("*-s*")} - design
+    lines = [f"Design seeds {record['design_seeds']}, both arms:", ""]
+    lines += detector.table(record, SPIRAL / "study", design)
+    lines += ["", f"Held-out seeds ({len(held)} finished: "
+              f"{', '.join(map(str, sorted(held))) or 'none yet'}), both arms:", ""]
+    return "\n".join(lines + detector.table(record, SPIRAL / "study", held))
 
 
 BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results}
-PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {"spiral-pilot": spiral_pilot}}
+PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
+    "spiral-pilot": spiral_pilot, "spiral-outcome": spiral_outcome,
+    "spiral-detector": spiral_detector}}
 
 
 def render(text: str, page: str = "README.md") -> str:

@@ -42,6 +42,7 @@ SETTING = ["--template", "search-r1", "--max-turns", "2", "--topk", "1", "--max-
            "--eval-max-turns", "2", "--token-view-every", "0", "--samples-per-step", "2",
            "--ckpt-every", "2", "--keep-ckpts", "1"]
 SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
+PAGES = ("README.md", "experiments/spiral/README.md", "experiments/spiral/survival.png")
 
 
 def parse_cell(cell: str) -> tuple[str, str]:
@@ -98,16 +99,19 @@ def train_run(model: Path, stage: str, dest: Path, name: str, seed: int, lr: str
     (landed / "run.json").write_text(json.dumps({
         "commit": head.stdout.strip(), "sft_sha256": sha256(model), "log": str(log)}) + "\n")
     if commit:
-        commit_folder(dest, landed, f"spiral study: {stage}/{name} finished")
+        commit_landed(dest, landed, f"spiral study: {stage}/{name} finished")
     return f"{landed}: finished"
 
 
-def commit_folder(repo: Path, folder: Path, message: str) -> None:
-    """git add + commit of one folder alone, retried while another git command holds the index."""
+def commit_landed(repo: Path, folder: Path, message: str) -> None:
+    """The landed run folder, and the pages and figure it changes (`make spiral docs` in the
+    checkout it landed in), committed alone; retried while another git command holds the index."""
+    subprocess.run(["make", "-s", "spiral", "docs"], cwd=repo, capture_output=True)
+    paths = [str(folder), *(page for page in PAGES if (repo / page).exists())]
     for _ in range(30):
-        add = subprocess.run(["git", "add", str(folder)], cwd=repo, capture_output=True)
+        add = subprocess.run(["git", "add", *paths], cwd=repo, capture_output=True)
         done = add.returncode == 0 and subprocess.run(
-            ["git", "commit", "-q", "-m", message, "--", str(folder)], cwd=repo,
+            ["git", "commit", "-q", "-m", message, "--", *paths], cwd=repo,
             capture_output=True).returncode == 0
         if done:
             return

@@ -107,3 +107,26 @@ def test_a_design_is_recorded_and_replayed_on_other_seeds(tmp_path):
     assert record["chosen"][0]["signal"] == "entropy"
     rows = detector.table(record, tmp_path, {2, 3})
     assert rows[2].startswith("| **chosen** | entropy") and "| 1 / 1 | 4 | 0 / 1 | 0.0 |" in rows[2]
+
+
+def test_a_landed_run_is_committed_alone(tmp_path):
+    import subprocess
+
+    from experiments.spiral import spiral_runs
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True,  # noqa: E731
+                                    capture_output=True, text=True).stdout
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    (tmp_path / "README.md").write_text("a\n")
+    git("add", "README.md"), git("commit", "-q", "-m", "start")
+    (tmp_path / "README.md").write_text("a, rendered anew\n")
+    (tmp_path / "notes.txt").write_text("not the runner's\n")
+    (tmp_path / "experiments/spiral").mkdir(parents=True)
+    (tmp_path / "experiments/spiral/README.md").write_text("rendered\n")
+    run = tmp_path / "experiments/spiral/study/grpo-s0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    spiral_runs.commit_landed(tmp_path, run, "landed")        # no Makefile here: nothing renders
+    assert git("log", "--format=%s") == "landed\nstart\n"
+    assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == [
+        "README.md", "experiments/spiral/README.md", "experiments/spiral/study/grpo-s0/metrics.jsonl"]

@@ -105,7 +105,8 @@ def train_run(model: Path, stage: str, dest: Path, name: str, seed: int, lr: str
 
 def commit_landed(repo: Path, folder: Path, message: str) -> None:
     """The landed run folder, and the pages and figure it changes (`make spiral docs` in the
-    checkout it landed in), committed alone; retried while another git command holds the index."""
+    checkout it landed in), committed alone; retried while another git command holds the index.
+    The pages are committed as the working tree has them: leave no half-done edit there."""
     subprocess.run(["make", "-s", "spiral", "docs"], cwd=repo, capture_output=True)
     paths = [str(folder), *(page for page in PAGES if (repo / page).exists())]
     for _ in range(30):

@@ -206,7 +206,34 @@ def spiral_detector() -> str:
     return "\n".join(lines + detector.table(record, SPIRAL / "study", held))
 
 
-BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results}
+def spiral_result() -> str:
+    """The spiral study in two sentences and its figure (experiments/spiral/), as far as it ran."""
+    from experiments.spiral import spiral_study
+    if not (SPIRAL / "study").is_dir():
+        return wrap("**The spiral, counted** ([experiments/spiral](experiments/spiral/README.md), "
+                    "pre-registered): plain GRPO against GRPO + LLDS over 30 seeds each, as "
+                    "survival curves; no counted seed has finished yet.")
+    rows = spiral_study.study_rows(SPIRAL / "study")
+    result = spiral_study.outcome(rows)
+    arms = {arm: result.get(arm, {"runs": 0, "breakdowns": 0}) for arm in spiral_study.ARMS}
+    text = (f"**The spiral, counted** ([experiments/spiral](experiments/spiral/README.md), "
+            f"pre-registered, {arms['grpo']['runs']} and {arms['llds']['runs']} of 30 seeds "
+            f"finished): plain GRPO broke down in {arms['grpo']['breakdowns']} of "
+            f"{arms['grpo']['runs']} runs, GRPO + LLDS in {arms['llds']['breakdowns']} of "
+            f"{arms['llds']['runs']}")
+    if "fisher_p" in result:
+        text += (f" (Fisher's exact p = {result['fisher_p']:.2g}, log-rank p = "
+                 f"{result['log_rank']['p']:.2g})")
+    em = result.get("em_paired")
+    if em:
+        text += (f". Final held-out EM, LLDS - GRPO paired by seed: {em['mean']:+.2f} "
+                 f"[{em['low']:+.2f}, {em['high']:+.2f}]")
+    return ("![survival curves of plain GRPO and GRPO + LLDS](experiments/spiral/survival.png)"
+            "\n\n" + wrap(text + "."))
+
+
+BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results,
+          "spiral-result": spiral_result}
 PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
     "spiral-pilot": spiral_pilot, "spiral-outcome": spiral_outcome,
     "spiral-detector": spiral_detector}}

@@ -363,8 +363,11 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
     base = train.Config(**train.PRESETS.get(preset, {}) if preset != "demo" else {})
     batch = base.rollout_batch_size if not args.smoke else 5
     rows = args.rows or (10 if args.smoke else 2 * batch)
-    n_prompts = max(2, rows // base.group_size // 2 * 2)
-    rows = n_prompts * base.group_size                 # even: two mini-batches
+    # two mini-batches, each split 4 ways in the authors' order (too many rows for --smoke)
+    verl = base.verl_minibatches and not args.smoke
+    step = 8 if verl else 2
+    n_prompts = max(step, rows // base.group_size // step * step)
+    rows = n_prompts * base.group_size
     turn = args.turn_tokens or (24 if args.smoke else 128)
     shape = memory_plan.Shape.of(_config_object(config))
     if report.left() <= 0:
@@ -381,7 +384,7 @@ def check_model(model_name: str, preset: str, args, device: torch.device, work: 
         base, name="gpu_check", out_dir=str(work), model=str(work / "model"), data="toy",
         eval_data="", retriever="bm25", corpus="", index="", device=device.type, bf16=args.bf16,
         max_turn_tokens=turn, max_prompt_tokens=2048, steps=2, lr=0.0, warmup_ratio=0.0,
-        prompts_per_step=n_prompts, mini_batch_size=rows // 2,
+        prompts_per_step=n_prompts, mini_batch_size=rows // 2, verl_minibatches=verl,
         rollout_batch_size=min(batch, rows), displacement_every=1, token_view_every=0,
         samples_per_step=0, eval_size=4, eval_max_turns=1, ckpt_every=0, report_to="none")
     peaks.start("setup")

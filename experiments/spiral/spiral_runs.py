@@ -147,7 +147,7 @@ def main() -> None:
             print(line, flush=True)
 
 
-STUDY_CELL = None      # the pilot's choice (prereg.md §4), set at registration
+STUDY_CELL = "lr8e-5-s15"      # the pilot's choice (prereg.md §4)
 
 if __name__ == "__main__":
     main()

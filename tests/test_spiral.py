@@ -130,3 +130,20 @@ def test_a_landed_run_is_committed_alone(tmp_path):
     assert git("log", "--format=%s") == "landed\nstart\n"
     assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == [
         "README.md", "experiments/spiral/README.md", "experiments/spiral/study/grpo-s0/metrics.jsonl"]
+
+
+def test_every_counted_run_ran_the_registering_commit_in_the_registered_setting():
+    import json
+    import re
+    from pathlib import Path
+
+    from experiments.spiral import spiral_runs
+    root = Path(__file__).resolve().parent.parent / "experiments/spiral"
+    registered = re.search(r"\*\*Registering commit\*\*.*?([0-9a-f]{40})",
+                           (root / "prereg.md").read_text(), re.S).group(1)
+    lr, steps = spiral_runs.parse_cell(spiral_runs.STUDY_CELL)
+    for run in sorted((root / "study").glob("*-s*")):
+        assert json.loads((run / "run.json").read_text())["commit"] == registered, run.name
+        config = json.loads((run / "config.json").read_text())
+        assert (config["lr"], config["steps"], config["llds"]) == (
+            float(lr), int(steps), run.name.startswith("llds")), run.name

@@ -217,16 +217,15 @@ def spiral_result() -> str:
     result = spiral_study.outcome(rows)
     arms = {arm: result.get(arm, {"runs": 0, "breakdowns": 0}) for arm in spiral_study.ARMS}
     text = (f"**The spiral, counted** ([experiments/spiral](experiments/spiral/README.md), "
-            f"pre-registered, {arms['grpo']['runs']} and {arms['llds']['runs']} of 30 seeds "
-            f"finished): plain GRPO broke down in {arms['grpo']['breakdowns']} of "
-            f"{arms['grpo']['runs']} runs, GRPO + LLDS in {arms['llds']['breakdowns']} of "
-            f"{arms['llds']['runs']}")
+            f"pre-registered, 30 seeds an arm planned): plain GRPO broke down in "
+            f"{arms['grpo']['breakdowns']} of {arms['grpo']['runs']} runs, GRPO + LLDS in "
+            f"{arms['llds']['breakdowns']} of {arms['llds']['runs']}")
     if "fisher_p" in result:
-        text += (f" (Fisher's exact p = {result['fisher_p']:.2g}, log-rank p = "
+        text += (f" (Fisher's p = {result['fisher_p']:.2g}, log-rank p = "
                  f"{result['log_rank']['p']:.2g})")
     em = result.get("em_paired")
     if em:
-        text += (f". Final held-out EM, LLDS - GRPO paired by seed: {em['mean']:+.2f} "
+        text += (f". Final held-out EM, LLDS - GRPO by seed: {em['mean']:+.2f} "
                  f"[{em['low']:+.2f}, {em['high']:+.2f}]")
     return ("![survival curves of plain GRPO and GRPO + LLDS](experiments/spiral/survival.png)"
             "\n\n" + wrap(text + "."))

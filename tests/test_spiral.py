@@ -147,3 +147,14 @@ def test_every_counted_run_ran_the_registering_commit_in_the_registered_setting(
         config = json.loads((run / "config.json").read_text())
         assert (config["lr"], config["steps"], config["llds"]) == (
             float(lr), int(steps), run.name.startswith("llds")), run.name
+
+
+def test_the_cost_line_is_read_from_the_runs_own_timings():
+    from experiments.spiral.spiral_study import cost
+    rows = [{"finished": True, "minutes": 30.4, "s_step": 112.2, "cpu": ["A"], "bf16": False},
+            {"finished": True, "minutes": 41.6, "s_step": 150.0, "cpu": ["A", "B"], "bf16": False},
+            {"finished": False, "minutes": 3.0, "s_step": 90.0, "cpu": ["C"], "bf16": True}]
+    assert cost(rows) == ("Cost: a finished run took 30-42 minutes (112-150 s a step), two runs "
+                          "side by side, one thread each, on A; B in float32; 1 of 2 resumed "
+                          "after an interruption.")
+    assert cost(rows[2:]) == "No run has finished yet."

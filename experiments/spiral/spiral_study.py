@@ -49,12 +49,17 @@ def run_row(folder: Path) -> dict:
     evals = [l for l in lines if l.get("eval/em") is not None]
     onset = breakdown_onset(lines)
     config = json.loads((folder / "config.json").read_text())
+    machines = json.loads((folder / "machine.json").read_text())     # one entry a (re)start
     return {"run": folder.name, "arm": arm, "seed": int(seed), "onset": onset,
             "time": onset if onset is not None else (train[-1]["step"] if train else 0),
             "finished": bool(train) and train[-1]["step"] == config["steps"],
             "em_before": evals[0]["eval/em"] if evals and evals[0]["step"] == 0 else None,
             "em_final": evals[-1]["eval/em"] if evals and evals[-1]["step"] > 0 else None,
-            "reward_last": statistics.fmean(l["reward"] for l in train[-WINDOW:]) if train else None}
+            "reward_last": statistics.fmean(l["reward"] for l in train[-WINDOW:]) if train else None,
+            "minutes": sum(l.get("timing/step", 0) + l.get("timing/eval", 0) for l in lines) / 60,
+            "s_step": statistics.fmean(l["timing/step"] for l in train) if train else None,
+            "cpu": [m["cpu"] for m in machines],
+            "bf16": any(m["bf16_autocast"] for m in machines)}
 
 
 def study_rows(folder: Path) -> list[dict]:
@@ -149,7 +154,21 @@ def tables(rows: list[dict], result: dict) -> list[str]:
         cell = [" / ".join(show(pair[a][k]) if a in pair else "" for a in ARMS)
                 for k in ("onset", "em_final")]
         lines.append(f"| {seed} | {cell[0]} | {cell[1]} |")
-    return lines
+    return lines + ["", cost(rows)]
+
+
+def cost(rows: list[dict]) -> str:
+    """What the finished runs cost, from their own timings: minutes (steps and both evaluations)
+    and seconds a step, and the CPUs they ran on."""
+    done = [r for r in rows if r["finished"]]
+    if not done:
+        return "No run has finished yet."
+    span = lambda k, f: f"{min(r[k] for r in done):{f}}-{max(r[k] for r in done):{f}}"  # noqa: E731
+    cpus = sorted({c for r in done for c in r["cpu"]})
+    return (f"Cost: a finished run took {span('minutes', '.0f')} minutes ({span('s_step', '.0f')} "
+            f"s a step), two runs side by side, one thread each, on {'; '.join(cpus)} in "
+            f"{'bf16 autocast' if any(r['bf16'] for r in done) else 'float32'}; {sum(len(r['cpu']) > 1 for r in done)} of {len(done)} resumed after an "
+            f"interruption.")
 
 
 def pilot_table(pilot: Path) -> list[str]:

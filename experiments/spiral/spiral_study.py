@@ -55,7 +55,8 @@ def run_row(folder: Path) -> dict:
             "finished": bool(train) and train[-1]["step"] == config["steps"],
             "em_before": evals[0]["eval/em"] if evals and evals[0]["step"] == 0 else None,
             "em_final": evals[-1]["eval/em"] if evals and evals[-1]["step"] > 0 else None,
-            "reward_last": statistics.fmean(l["reward"] for l in train[-WINDOW:]) if train else None,
+            "reward_last": statistics.fmean(l["reward"] for l in train[-WINDOW:])
+            if train else None,
             "minutes": sum(l.get("timing/step", 0) + l.get("timing/eval", 0) for l in lines) / 60,
             "s_step": statistics.fmean(l["timing/step"] for l in train) if train else None,
             "cpu": [m["cpu"] for m in machines],
@@ -165,10 +166,11 @@ def cost(rows: list[dict]) -> str:
         return "No run has finished yet."
     span = lambda k, f: f"{min(r[k] for r in done):{f}}-{max(r[k] for r in done):{f}}"  # noqa: E731
     cpus = sorted({c for r in done for c in r["cpu"]})
+    precision = "bf16 autocast" if any(r["bf16"] for r in done) else "float32"
+    resumed = sum(len(r["cpu"]) > 1 for r in done)
     return (f"Cost: a finished run took {span('minutes', '.0f')} minutes ({span('s_step', '.0f')} "
             f"s a step), two runs side by side, one thread each, on {'; '.join(cpus)} in "
-            f"{'bf16 autocast' if any(r['bf16'] for r in done) else 'float32'}; {sum(len(r['cpu']) > 1 for r in done)} of {len(done)} resumed after an "
-            f"interruption.")
+            f"{precision}; {resumed} of {len(done)} resumed after an interruption.")
 
 
 def pilot_table(pilot: Path) -> list[str]:

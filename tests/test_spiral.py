@@ -107,6 +107,9 @@ def test_a_design_is_recorded_and_replayed_on_other_seeds(tmp_path):
     assert record["chosen"][0]["signal"] == "entropy"
     rows = detector.table(record, tmp_path, {2, 3})
     assert rows[2].startswith("| **chosen** | entropy") and "| 1 / 1 | 4 | 0 / 1 | 0.0 |" in rows[2]
+    # every signal has its row: one these runs never logged has no condition to offer
+    assert len(rows) == 3 + len(detector.SIGNALS)
+    assert "| grad_norm_z | none within 1 false alarm in 10 on the design seeds |" in "".join(rows)
 
 
 def test_a_landed_run_is_committed_alone(tmp_path):

@@ -161,3 +161,12 @@ def test_the_cost_line_is_read_from_the_runs_own_timings():
                           "side by side, one thread each, on A; B in float32; 1 of 2 resumed "
                           "after an interruption.")
     assert cost(rows[2:]) == "No run has finished yet."
+
+
+def test_the_warm_start_line_names_each_build_with_its_seeds():
+    from experiments.spiral.spiral_study import warm_starts
+    rows = [{"seed": s, "warm_start": sha} for s, sha in
+            [(0, "9213aee0ff"), (1, "9213aee0ff"), (2, "9213aee0ff"), (3, "081acc68aa"),
+             (4, "9213aee0ff"), (6, "081acc68aa"), (6, "081acc68aa"), (7, None)]]
+    assert warm_starts(rows) == ("Warm-start builds, by sha256: 9213aee0 (seeds 0-2, 4); "
+                                 "081acc68 (seeds 3, 6); unrecorded (seeds 7).")

@@ -50,6 +50,7 @@ def run_row(folder: Path) -> dict:
     onset = breakdown_onset(lines)
     config = json.loads((folder / "config.json").read_text())
     machines = json.loads((folder / "machine.json").read_text())     # one entry a (re)start
+    landed = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
     return {"run": folder.name, "arm": arm, "seed": int(seed), "onset": onset,
             "time": onset if onset is not None else (train[-1]["step"] if train else 0),
             "finished": bool(train) and train[-1]["step"] == config["steps"],
@@ -60,7 +61,8 @@ def run_row(folder: Path) -> dict:
             "minutes": sum(l.get("timing/step", 0) + l.get("timing/eval", 0) for l in lines) / 60,
             "s_step": statistics.fmean(l["timing/step"] for l in train) if train else None,
             "cpu": [m["cpu"] for m in machines],
-            "bf16": any(m["bf16_autocast"] for m in machines)}
+            "bf16": any(m["bf16_autocast"] for m in machines),
+            "warm_start": landed.get("sft_sha256")}
 
 
 def study_rows(folder: Path) -> list[dict]:
@@ -155,7 +157,7 @@ def tables(rows: list[dict], result: dict) -> list[str]:
         cell = [" / ".join(show(pair[a][k]) if a in pair else "" for a in ARMS)
                 for k in ("onset", "em_final")]
         lines.append(f"| {seed} | {cell[0]} | {cell[1]} |")
-    return lines + ["", cost(rows)]
+    return lines + ["", cost(rows), "", warm_starts(rows)]
 
 
 def cost(rows: list[dict]) -> str:
@@ -171,6 +173,27 @@ def cost(rows: list[dict]) -> str:
     return (f"Cost: a finished run took {span('minutes', '.0f')} minutes ({span('s_step', '.0f')} "
             f"s a step), two runs side by side, one thread each, on {'; '.join(cpus)} in "
             f"{precision}; {resumed} of {len(done)} resumed after an interruption.")
+
+
+def warm_starts(rows: list[dict]) -> str:
+    """Which build of the warm-start (prereg.md §2: one a machine) each seed's runs started from."""
+    seeds = {}
+    for r in rows:
+        seeds.setdefault(r["warm_start"], set()).add(r["seed"])
+    builds = [f"{sha[:8] if sha else 'unrecorded'} (seeds {spans(sorted(s))})"
+              for sha, s in sorted(seeds.items(), key=lambda kv: min(kv[1]))]
+    return f"Warm-start builds, by sha256: {'; '.join(builds)}."
+
+
+def spans(seeds: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs = []
+    for s in seeds:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def pilot_table(pilot: Path) -> list[str]:

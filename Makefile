@@ -47,11 +47,9 @@ compare: .venv/done
 	$(PY) train.py --name compare-llds-s$(SEED) --seed $(SEED) --resume $(COMPARE) $(ARGS)
 	$(PY) experiments/lld_study/lld_study.py runs --score 200 --figure runs/compare.png
 
-# The LLD study's tables and figure, from the committed runs in experiments/lld_study/compare/; then the
-# death-spiral warning (monitor.py) replayed over them and the LLD lab's pilot runs.
+# The LLD study's tables and figure, from the committed runs in experiments/lld_study/compare/.
 study: .venv/done
 	$(PY) experiments/lld_study/lld_study.py experiments/lld_study/compare --figure experiments/lld_study/compare.png
-	$(PY) experiments/lld_study/spiral_replay.py experiments/lld_study/compare experiments/lab/pilot
 
 # README.md's measured numbers and tables, rendered again from their committed records (a test
 # fails while README.md differs from what this writes).

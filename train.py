@@ -115,9 +115,8 @@ class Config:
     displacement_every: int = flag(1, "correct responses' displacement every N steps", ">= 0")
     token_view_every: int = flag(10, "<run>/views/step_N.html every N steps and the last", ">= 0")
     samples_per_step: int = flag(4, "episodes saved per step in <run>/samples/", ">= 0")
-    spiral_nats: float = flag(5.0, "warn when correct responses lose > this in --spiral-window "
-                              "steps while mean reward < 0.7 x its best (monitor.py)", "> 0")
-    spiral_window: int = flag(5, "steps of the LLD warning's sums and means", ">= 1")
+    spiral_warning: bool = flag(True, f"warn (lld/warning) at each step where {monitor.RULE_TEXT};"
+                                f" {monitor.RULE_RECORD} (monitor.py)")
     eval_every: int = flag(0, "held-out EM every N steps; 0 = before and after only", ">= 0")
     eval_size: int = flag(100, "held-out questions (greedy decoding); 0 = no evaluation", ">= 0")
     eval_samples: int = flag(0, "also N samples per held-out question (eval/em_sampled)", ">= 0")
@@ -437,7 +436,7 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
     state = checkpoints.start_or_resume(run.dir, run.model, run.optimizer, cfg.resume)
     start, skipped, evals = state["step"], state["skipped_steps"], state["evals"]
     sampler = PromptSampler(run.train_records, cfg.seed, **state["sampler"])
-    warning = monitor.SpiralMonitor(cfg.spiral_window, cfg.spiral_nats, state["monitor"])
+    warning = monitor.SpiralMonitor(monitor.RULE if cfg.spiral_warning else (), state["monitor"])
     log = run_log.open_run_log(run.dir, cfg, start, run.device, len(run.eval_records))
     eval_cfg = rollout_config(cfg, greedy=True, max_turns=cfg.eval_max_turns)
     held_out = functools.partial(heldout_eval, run.model, run.tokenizer, run.eval_records,

@@ -5,11 +5,12 @@ rendered from their committed records.
     .venv/bin/python docs/readme_numbers.py --check    # exit 1 with a diff where a page differs
 
 A block of a page (PAGES) runs from a line `<!-- make docs: NAME -->` to the next `<!-- end -->`,
-and the page's BLOCKS[NAME] writes it: a number changes when its record (or the code that prints it) changes,
-never by hand, and tests/test_readme.py fails when README.md differs from what this renders. A
-figure with no record has no block: it is not in the README. The records: the runs of `make
-train` on fresh clones (experiments/demo_seeds/runs.jsonl), the demo against LoRA on an AVX2-only
-CPU (bench/lora_vs_full.jsonl), and the run folders of the LLD study and of the LLD lab's pilot.
+and the page's BLOCKS[NAME] writes it: a number changes when its record (or the code that prints
+it) changes, never by hand, and tests/test_readme.py fails when README.md differs from what this
+renders. A figure with no record has no block: it is not in the README. The records: the runs of
+`make train` on fresh clones (experiments/demo_seeds/runs.jsonl), the demo against LoRA on an
+AVX2-only CPU (bench/lora_vs_full.jsonl), the run folders of the LLD study and of the LLD lab's
+pilot, and those of the spiral study with its warning's design (experiments/spiral/).
 """
 import argparse
 import difflib
@@ -25,10 +26,11 @@ from plumbing.summary import report  # noqa: E402
 
 BLOCK = re.compile(r"^<!-- make docs: ([\w-]+) -->\n.*?^<!-- end -->$", re.M | re.S)
 DEMO_SEEDS, LORA = "experiments/demo_seeds/runs.jsonl", "bench/lora_vs_full.jsonl"
-STUDY, LAB_PILOT = ROOT / "experiments/lld_study/compare", ROOT / "experiments/lab/pilot"
 # The training path of today on fresh clones: these two commits compute the same numbers
 # (docs/benchmarks.md); the older rows of runs.jsonl stay there, not here.
 CURRENT = {"54372b4", "03c073d"}
+STUDY, LAB_PILOT = ROOT / "experiments/lld_study/compare", ROOT / "experiments/lab/pilot"
+SPIRAL = ROOT / "experiments/spiral"
 
 
 def records(path: str) -> list[dict]:
@@ -115,20 +117,26 @@ def demo() -> str:
 
 
 def spiral_warning() -> str:
-    """The death-spiral warning's rule (monitor.py's defaults) and its replay over the committed
-    runs (experiments/lld_study/spiral_replay.py)."""
-    from experiments.lld_study import spiral_replay
-    from monitor import REWARD_FRACTION, SpiralMonitor
-
-    rule, t = SpiralMonitor(), spiral_replay.tally(spiral_replay.replay(STUDY, LAB_PILOT))
-    return wrap(
-        f"`lld/warning` fires when the correct responses lose over {rule.nats:g} nats in "
-        f"{rule.window} steps while the {rule.window}-step mean reward is below "
-        f"{REWARD_FRACTION:g} of its best earlier {rule.window}-step mean; replayed over the "
-        f"committed runs ([experiments/lld_study](experiments/lld_study/README.md), `make study`), "
-        f"it came before "
-        f"{t['early']} of {t['broke']} breakdowns and fired in {t['alarms'] or 'none'} of the "
-        f"{t['calm']} runs without one.")
+    """The death-spiral warning's rule (monitor.RULE, designed in experiments/spiral/design.json)
+    and its score on the spiral study's held-out seeds that have finished."""
+    import monitor
+    from experiments.spiral import detector
+    record = json.loads(detector.DESIGN.read_text())
+    design = detector.seed_range(record["design_seeds"])
+    held = [r for r in detector.load(SPIRAL / "study", None)
+            if int(r["run"].rsplit("-s", 1)[1]) not in design]
+    text = (f"`lld/warning` fires at each step where {monitor.RULE_TEXT}: the rule chosen on the "
+            f"spiral study's seeds {record['design_seeds']} ([experiments/spiral]"
+            f"(experiments/spiral/README.md), `make spiral`). ")
+    text += monitor.RULE_RECORD[0].upper() + monitor.RULE_RECORD[1:] + ". "
+    s = detector.score(monitor.RULE, held)
+    if not held:
+        return wrap(text + "Its held-out seeds have not run yet.")
+    lead = "-" if s["median_lead"] is None else f"{s['median_lead']:g}"
+    return wrap(text + f"On the {len(held)} held-out runs it warned {s['warned']} of "
+                f"{s['breakdowns']} breakdowns at least {detector.LEAD} steps ahead (median lead "
+                f"{lead} steps) and fired in {s['false_alarms']} of the {s['calm']} runs that did "
+                "not break down.")
 
 
 def results() -> str:
@@ -171,8 +179,6 @@ def results() -> str:
         f"so its LLDS study did not run | [lab](experiments/lab/README.md) |"])
 
 
-SPIRAL = ROOT / "experiments/spiral"
-
 
 def spiral_pilot() -> str:
     """The spiral study's pilot, cell by cell (experiments/spiral/spiral_study.py)."""
@@ -201,8 +207,10 @@ def spiral_detector() -> str:
     held = {int(d.name.rsplit("-s", 1)[1]) for d in (SPIRAL / "study").glob("*-s*")} - design
     lines = [f"Design seeds {record['design_seeds']}, both arms:", ""]
     lines += detector.table(record, SPIRAL / "study", design)
+    if not held:
+        return "\n".join(lines + ["", "Held-out seeds: none has finished yet."])
     lines += ["", f"Held-out seeds ({len(held)} finished: "
-              f"{', '.join(map(str, sorted(held))) or 'none yet'}), both arms:", ""]
+              f"{', '.join(map(str, sorted(held)))}), both arms:", ""]
     return "\n".join(lines + detector.table(record, SPIRAL / "study", held))
 
 

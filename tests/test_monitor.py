@@ -1,6 +1,6 @@
 """monitor.py: the rollout's numbers and the displacement of correct responses; the death-spiral
-warning: hand-made runs, a resumed history, and the replay of the
-committed runs (experiments/lld_study/spiral_replay.py) through the same class."""
+warning: a hand-made rule, a resumed history, the rule the spiral study designed, and the
+detector's replay agreeing with the class train.py runs."""
 import json
 import math
 import random
@@ -10,132 +10,120 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.lld_study import spiral_replay
+from experiments.spiral import detector
 import monitor
 import train
-from monitor import SpiralMonitor, lost_nats
+from monitor import Condition, SpiralMonitor
+from plumbing.cli import field_help
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def feed(warning, rewards, displacements, start=1):
-    """The step numbers at which the monitor warns, fed one (reward, displacement) per step."""
-    return [step for step, (r, d) in enumerate(zip(rewards, displacements), start)
-            if warning.check(step, {"reward": r, "lld/correct_displacement": d})]
+# A rule of two conditions: entropy up by more than 0.2 from its mean over steps 1-3, and reward
+# (mean of the last 2 steps) below 0.3.
+RULE = (Condition("entropy", change=True, window=1, above=True, threshold=0.2),
+        Condition("reward", change=False, window=2, above=False, threshold=0.3))
+ENTROPY = [0.5, 0.4, 0.6, 0.6, 0.8, 0.9, 0.9, 0.6, 1.0]
+REWARDS = [0.2, 0.4, 0.5, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1]
 
 
-# A spiral in miniature: reward rises to a 0.5 plateau (best 5-step mean 0.5, steps 3-9), the
-# correct responses lose 2 nats a step from step 8, and reward falls from step 10.
-SPIRAL_REWARDS = [0.1, 0.3, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3, 0.2, 0.1, 0.0, 0.0]
-SPIRAL_DISPLACEMENTS = [-1.0, -1.0, -0.5, -0.5, None, -0.5, 0.0] + [2.0] * 5 + [None, None]
+def feed(warning, entropy, rewards, start=1):
+    """The step numbers at which the monitor warns, fed one training step's metrics at a time."""
+    return [step for step, (e, r) in enumerate(zip(entropy, rewards), start)
+            if warning.check(step, {"entropy": e, "reward": r})]
 
 
-def test_a_spiral_warns_when_the_lost_likelihood_meets_a_falling_reward():
-    warning = SpiralMonitor(window=5, nats=5.0)
-    warnings = [warning.check(s, {"reward": r, "lld/correct_displacement": d})
-                for s, (r, d) in enumerate(zip(SPIRAL_REWARDS, SPIRAL_DISPLACEMENTS), 1)]
-    # step 11 has lost 8 nats over steps 7-11, but its mean reward 0.40 is not below 0.7 x 0.5;
-    # step 12: 10 nats over steps 8-12, mean reward 0.32
-    assert [s for s, w in enumerate(warnings, 1) if w] == [12, 13, 14]
-    assert "lost 10.0 nats" in warnings[11][0] and "fell to 0.320 (best 0.500)" in warnings[11][0]
+def test_the_rule_warns_where_every_condition_fires():
+    # entropy's baseline: mean(0.5, 0.4, 0.6) = 0.5; up > 0.2 at steps 5, 6, 7, 9 (0.8, 0.9, 0.9,
+    # 1.0); the 2-step reward mean < 0.3 at steps 7 (0.25), 8 (0.15), 9 (0.1): both at 7 and 9
+    warning = SpiralMonitor(RULE)
+    out = [warning.check(s, {"entropy": e, "reward": r})
+           for s, (e, r) in enumerate(zip(ENTROPY, REWARDS), 1)]
+    assert [s for s, w in enumerate(out, 1) if w] == [7, 9]
+    assert "change of entropy > 0.2: 0.4;" in out[6][0] and "< 0.3: 0.25." in out[6][0]
+    assert feed(SpiralMonitor(()), ENTROPY, REWARDS) == []           # --no-spiral-warning
 
 
-def test_losing_likelihood_while_reward_rises_is_not_a_warning():
-    # what plain GRPO's seeds 2-4 did in the study: displaced every step, and went on learning
-    rewards = [min(0.05 * s, 0.8) for s in range(1, 41)]
-    assert feed(SpiralMonitor(), rewards, [3.0] * 40) == []
-
-
-def noisy_flat_run(dip_at: int, loss_at: int) -> tuple[list, list]:
-    """300 steps on a plateau: reward as noisy as a batch of ~100 episodes, the correct
-    responses' displacement 1.5 nats either way a step (a step in ten without a correct one);
-    then reward dips to 0.1 for 5 steps from `dip_at`, and the correct responses lose 3 nats a
-    step for 5 steps from `loss_at`."""
-    rng = random.Random(0)
-    rewards = [min(max(rng.gauss(0.4, 0.05), 0.0), 1.0) for _ in range(300)]
-    displacements = [-rng.gauss(0.0, 1.5) if rng.random() < 0.9 else None for _ in range(300)]
-    rewards[dip_at - 1:dip_at + 4] = [0.1] * 5
-    displacements[loss_at - 1:loss_at + 4] = [3.0] * 5
-    return rewards, displacements
-
-
-def test_a_noisy_flat_run_warns_only_where_a_loss_meets_a_dip():
-    assert feed(SpiralMonitor(), *noisy_flat_run(dip_at=100, loss_at=200)) == []
-    assert feed(SpiralMonitor(), *noisy_flat_run(dip_at=200, loss_at=200))[0] == 202
+def test_an_evaluation_line_moves_no_signal():
+    warning = SpiralMonitor(RULE)
+    for step, (e, r) in enumerate(zip(ENTROPY, REWARDS), 1):
+        warning.check(step, {"entropy": e, "reward": r})
+        warning.check(step, {"eval/em": 0.5})
+    assert warning.history["signals"] == {"entropy": ENTROPY, "reward": REWARDS}
 
 
 @pytest.mark.parametrize("norm", [math.nan, math.inf])
 def test_a_non_finite_gradient_norm_is_reported_at_once(norm):
-    warnings = SpiralMonitor().check(1, {"grad_norm_max": norm})
+    warnings = SpiralMonitor(RULE).check(1, {"grad_norm_max": norm})
     assert len(warnings) == 1 and str(norm) in warnings[0] and "skipped" in warnings[0]
 
 
-def test_the_displacement_is_read_in_one_place():
-    # d = before - after: 3 means the correct responses lost 3 nats; None: none sampled
-    assert lost_nats({"lld/correct_displacement": 3.0}) == 3.0
-    assert lost_nats({"lld/correct_displacement": None}) == lost_nats({}) == 0.0
-
-
 def test_a_resumed_monitor_warns_where_an_unbroken_one_does():
-    first = SpiralMonitor()
-    assert feed(first, SPIRAL_REWARDS[:8], SPIRAL_DISPLACEMENTS[:8]) == []
+    first = SpiralMonitor(RULE)
+    assert feed(first, ENTROPY[:6], REWARDS[:6]) == []
     saved = json.loads(json.dumps(first.history))             # as state.json stores it
-    resumed = SpiralMonitor(history=saved)
-    assert feed(resumed, SPIRAL_REWARDS[8:], SPIRAL_DISPLACEMENTS[8:], start=9) == [12, 13, 14]
+    resumed = SpiralMonitor(RULE, history=saved)
+    assert feed(resumed, ENTROPY[6:], REWARDS[6:], start=7) == [7, 9]
 
 
-def test_an_old_checkpoints_history_loads_and_the_rule_starts_afresh():
-    old = {"logp_correct": [-0.1, -0.2], "grad_norm": [1.0, 2.0], "tied": [1.0],
-           "answer_in_passages": [0.9]}
-    monitor = SpiralMonitor(5, 5.0, old)
-    assert monitor.history == {"lost": [], "reward": [], "best": None, "grad_norms": []}
-    assert feed(monitor, SPIRAL_REWARDS, SPIRAL_DISPLACEMENTS) == [12, 13, 14]
+def test_an_old_checkpoints_history_loads_and_the_signals_start_afresh():
+    old = {"lost": [1.0, 2.0], "reward": [0.5], "best": 0.5, "grad_norms": [1.0, 2.0]}
+    monitor = SpiralMonitor(RULE, old)
+    assert monitor.history == {"signals": {}, "grad_norms": [1.0, 2.0]}
+    assert feed(monitor, ENTROPY, REWARDS) == [7, 9]
 
 
-def test_the_committed_runs_replayed():
-    rows = {r["run"]: r for r in spiral_replay.replay(
-        ROOT / "experiments/lld_study/compare", ROOT / "experiments/lab/pilot")}
-    assert len(rows) == 20 + 48
-    # plain GRPO seeds 6 and 8 learned, then fell to zero reward: warned at least a step before
-    for run in ("compare-grpo-s6", "compare-grpo-s8"):
-        assert rows[run]["breakdown"] == 13 and rows[run]["warning"] <= 12
-    design = [r for r in rows.values() if r["design"]]
-    held_out = [r for r in rows.values() if not r["design"]]
-    # the counts experiments/lld_study/README.md gives
-    assert spiral_replay.counts(design) == "warned before breakdown 2/5, false alarms 0/25"
-    assert spiral_replay.counts(held_out) == "warned before breakdown 0/3, false alarms 0/35"
+def test_the_default_rule_is_the_one_the_spiral_study_designed():
+    record = json.loads(detector.DESIGN.read_text())
+    assert monitor.RULE == detector.from_json(record["chosen"]) and monitor.RULE
+    s = record["score"]
+    assert (f"on the {s['breakdowns'] + s['calm']} runs it was designed on, it warned {s['warned']}"
+            f" of {s['breakdowns']} breakdowns 2 or more steps ahead and fired in "
+            f"{s['false_alarms']} of the {s['calm']} runs without one") in monitor.RULE_RECORD
+    assert train.Config().spiral_warning
+    assert monitor.RULE_TEXT in field_help(train.Config)["spiral_warning"]
 
 
-def test_the_replay_prints_one_line_per_run(capsys):
-    spiral_replay.main([str(ROOT / "experiments/lld_study/compare"),
-                        str(ROOT / "experiments/lab/pilot")])
-    lines = capsys.readouterr().out.splitlines()
-    assert "warning compare-grpo-s6: first 11, breakdown 13" in lines
-    assert "warning lab-lr1e-5-u4-grpo-s1000: first none, breakdown none" in lines
-    assert sum(l.startswith("warning ") for l in lines) == 68
+def test_the_detector_replays_a_committed_run_as_train_pys_monitor_reads_it():
+    # every pilot run, and rules on several signals, each read as a level and as a change
+    runs = detector.load(ROOT / "experiments/spiral/pilot/lr4e-5-s15", None)
+    assert runs
+    for rule in [(Condition("entropy", True, 2, True, 0.05),),
+                 (Condition("reward", False, 3, False, 0.5),
+                  Condition("lld/correct_displacement", False, 1, True, 0.0)),
+                 (Condition("grad_norm_z", False, 1, True, 1.0),)]:
+        for run in runs:
+            warning = SpiralMonitor(rule)
+            steps = [l["step"] for l in run["lines"] if warning.check(l["step"], l)]
+            assert detector.first_warning(rule, run["lines"]) == (steps[0] if steps else None)
 
 
 def test_rollout_stats_mean_log_likelihood_of_correct_and_incorrect_responses():
     from types import SimpleNamespace
-    ep = lambda em, q: {"em": em, "f1": em, "n_search": 1, "n_valid": 1, "finished": True,  # noqa: E731
-                        "queries": [q], "golds": ["Orvale"], "text": f"<information>{q} Orvale</information>"}
-    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
-    old = torch.tensor([[9., -1., -3., 9.], [9., -2., -2., -5.], [9., -4., 9., 9.], [9., 9., 9., 9.]])
+
+    def ep(em, q):
+        return {"em": em, "f1": em, "n_search": 1, "n_valid": 1, "finished": True,
+                "queries": [q], "golds": ["Orvale"],
+                "text": f"<information>{q} Orvale</information>"}
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]]).float()
+    old = torch.tensor([[9., -1., -3., 9.], [9., -2., -2., -5.], [9., -4., 9., 9.], [9.] * 4])
     out = SimpleNamespace(episodes=[ep(1.0, "a"), ep(0.0, "a"), ep(0.0, "b"), ep(0.0, "a")],
                           loss_mask=mask, logp=old.clone())
-    stats = monitor.rollout_stats(out, old, torch.tensor([1., 0., 0., 0.]), torch.tensor([0, 0, 0, 0]))
+    stats = monitor.rollout_stats(out, old, torch.tensor([1., 0., 0., 0.]), torch.zeros(4).long())
     # correct: row 0, mean(-1, -3) = -2. incorrect with tokens: rows 1, 2 -> mean(-3, -4) = -3.5
     # (row 3 has no model tokens and is left out). Pairs (0,1), (0,2), (0,3): one shares "a" with
     # a row that has tokens, row 3 also searched "a" -> 2 of 3.
     assert stats["lld/logp_correct"] == -2.0 and stats["lld/logp_incorrect"] == -3.5
     assert stats["lld/shared_first_search"] == pytest.approx(2 / 3)
-    assert stats["search/answer_in_passages"] == 1.0 and stats["search/unique_queries"] == 2   # "a", "b"
+    assert stats["search/answer_in_passages"] == 1.0
+    assert stats["search/unique_queries"] == 2                                         # "a", "b"
     assert stats["rollout/logp_diff"] == 0.0 and stats["reward"] == 0.25
 
 
 def test_displacement_splits_into_search_turns_and_the_answer_turn():
-    # row 0 correct: turns at 1-2 (search) and 4-5 (answer, <answer> on 5); row 1 correct, no answer; row 2 wrong
-    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    # row 0 correct: turns at 1-2 (search) and 4-5 (answer, <answer> on 5); row 1 correct, no
+    # answer; row 2 wrong
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]]).float()
     answer = torch.tensor([[0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6], dtype=torch.float32)
     old = torch.zeros(3, 6)
     after = torch.tensor([[9., -1., -2., 9., 0.5, -3.], [9., 1., 1., -4., 9., 9.], [5.] * 6])
@@ -148,12 +136,6 @@ def test_displacement_splits_into_search_turns_and_the_answer_turn():
     assert out["lld/correct_displacement_search"] == pytest.approx(2.5)
     assert out["lld/correct_displacement_answer"] == pytest.approx(1.25)
     assert out["lld/correct_frac_lost"] == 1.0
-
-
-def test_the_spiral_flags_default_to_the_monitor_the_study_replays():
-    # experiments/lld_study/spiral_replay.py measures SpiralMonitor() with its own defaults
-    cfg, warning = train.Config(), monitor.SpiralMonitor()
-    assert (cfg.spiral_window, cfg.spiral_nats) == (warning.window, warning.nats)
 
 
 def test_control_tag_probs_multiply_the_probabilities_of_a_tags_tokens():

@@ -69,7 +69,7 @@ def test_readme_is_short_and_gives_the_two_commands():
 
 SCRIPTS = ["train.py", "eval.py", "retriever.py", "data.py", "ask.py", "sft.py",
            "experiments/lld_study/lld_study.py", "experiments/lld_study/lld_table.py",
-           "experiments/lld_study/spiral_replay.py", "experiments/lab/lab_runs.py",
+           "experiments/lab/lab_runs.py",
            "experiments/lab/lab_study.py", "experiments/demo_seeds/demo_seeds.py",
            "bench/same_run.py", "bench/bench_llds.py", "bench/bench_rollout.py",
            "bench/bench_retriever.py", "bench/bench_decode.py", "docs/readme_numbers.py"]

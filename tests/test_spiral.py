@@ -14,7 +14,8 @@ ARM_B = ([4, 6, 10, 10, 2, 9], [1, 0, 0, 0, 1, 1])
 def test_kaplan_meier_and_its_greenwood_band():
     rows = survival.kaplan_meier(*ARM_A)
     # by hand: S(3) = 4/5, S(5) = 4/5 * 3/4 (the censored run at 5 is at risk at 5), S(8) = 0.6 / 2
-    assert [(r["time"], r["at_risk"], r["events"]) for r in rows] == [(3, 5, 1), (5, 4, 1), (8, 2, 1)]
+    assert [(r["time"], r["at_risk"], r["events"]) for r in rows] == [
+        (3, 5, 1), (5, 4, 1), (8, 2, 1)]
     assert [r["survival"] for r in rows] == pytest.approx([0.8, 0.6, 0.3])
     assert [r["low"] for r in rows] == pytest.approx([0.203809, 0.125730, 0.012302], abs=1e-6)
     assert [r["high"] for r in rows] == pytest.approx([0.969180, 0.881756, 0.719218], abs=1e-6)
@@ -108,8 +109,11 @@ def test_a_design_is_recorded_and_replayed_on_other_seeds(tmp_path):
     rows = detector.table(record, tmp_path, {2, 3})
     assert rows[2].startswith("| **chosen** | entropy") and "| 1 / 1 | 4 | 0 / 1 | 0.0 |" in rows[2]
     # every signal has its row: one these runs never logged has no condition to offer
-    assert len(rows) == 3 + len(detector.SIGNALS)
-    assert "| grad_norm_z | none within 1 false alarm in 10 on the design seeds |" in "".join(rows)
+    assert len(rows) == 3 + len(detector.SIGNALS) + 2
+    text = "".join(rows)
+    assert "| grad_norm_z | none warned a breakdown within 1 false alarm in 10 on the" in text
+    assert "| reward | none warned" in text      # it falls with the onset: no lead on seeds 0-1
+    assert rows[-1].endswith("steps): grpo-s2 13 / 9.")           # onset 13: the 3-step mean
 
 
 def test_a_landed_run_is_committed_alone(tmp_path):
@@ -132,7 +136,8 @@ def test_a_landed_run_is_committed_alone(tmp_path):
     spiral_runs.commit_landed(tmp_path, run, "landed")        # no Makefile here: nothing renders
     assert git("log", "--format=%s") == "landed\nstart\n"
     assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == [
-        "README.md", "experiments/spiral/README.md", "experiments/spiral/study/grpo-s0/metrics.jsonl"]
+        "README.md", "experiments/spiral/README.md",
+        "experiments/spiral/study/grpo-s0/metrics.jsonl"]
 
 
 def test_every_counted_run_ran_the_registering_commit_in_the_registered_setting():

@@ -91,7 +91,8 @@ def design(runs: list[dict], pairs_of: int = 40) -> dict:
     first, then conjunctions of the `pairs_of` singles of highest recall at any alarm rate."""
     singles = [(c,) for c in candidates(runs)]
     scored = {rule: score(rule, runs) for rule in singles}
-    allowed = lambda s: s["calm"] == 0 or s["false_alarms"] <= MAX_ALARM_RATE * s["calm"]  # noqa: E731
+    def allowed(s):
+        return s["calm"] == 0 or s["false_alarms"] <= MAX_ALARM_RATE * s["calm"]
     best_of_signal = {}
     for rule, s in scored.items():
         key = rule[0].signal
@@ -108,7 +109,8 @@ def design(runs: list[dict], pairs_of: int = 40) -> dict:
 def load(folder: Path, seeds: set[int] | None) -> list[dict]:
     runs = []
     for d in sorted(folder.glob("*-s*")):
-        if (d / "metrics.jsonl").exists() and (seeds is None or int(d.name.rsplit("-s", 1)[1]) in seeds):
+        seed = int(d.name.rsplit("-s", 1)[1])
+        if (d / "metrics.jsonl").exists() and (seeds is None or seed in seeds):
             lines = training_lines(d)
             runs.append({"run": d.name, "lines": lines, "onset": breakdown_onset(lines)})
     return runs
@@ -139,21 +141,28 @@ def write_design(runs_folder: Path, seeds: str, out: Path) -> dict:
 
 def table(record: dict, runs_folder: Path, seeds: set[int]) -> list[str]:
     """The chosen rule and each signal's best single condition, scored on the runs of `seeds`; a
-    signal none of whose conditions kept within MAX_ALARM_RATE on the design seeds says so."""
+    signal none of whose conditions warned a breakdown within MAX_ALARM_RATE on the design seeds
+    says so. Then the chosen rule's first warning in each run that broke down or was warned."""
     runs = load(runs_folder, seeds)
     rules = [("**chosen**", from_json(record["chosen"]))] + [
-        (signal, from_json(entry["rule"])) for signal, entry in record["signals"].items()]
+        (signal, from_json(entry["rule"])) for signal, entry in record["signals"].items()
+        if entry["score"]["warned"]]
     lines = ["| signal | rule | breakdowns warned >= 2 steps before | median lead (steps) | "
              "false alarms / runs without a breakdown | per 10 |", "|---|---|---|---|---|---|"]
     for name, rule in rules:
         s = score(rule, runs)
         per_10 = "-" if s["alarms_per_10"] is None else f"{s['alarms_per_10']:.1f}"
         lines.append(f"| {name} | {s['rule']} | {s['warned']} / {s['breakdowns']} | "
-                     f"{'-' if s['median_lead'] is None else s['median_lead']} | "
+                     f"{'-' if s['median_lead'] is None else format(s['median_lead'], 'g')} | "
                      f"{s['false_alarms']} / {s['calm']} | {per_10} |")
-    lines += [f"| {signal} | none within {MAX_ALARM_RATE * 10:g} false alarm in 10 on the design "
-              "seeds | - | - | - | - |" for signal in sorted(set(SIGNALS) - set(record["signals"]))]
-    return lines
+    silent = sorted(set(SIGNALS) - {name for name, _ in rules})
+    lines += [f"| {signal} | none warned a breakdown within {MAX_ALARM_RATE * 10:g} false alarm in "
+              "10 on the design seeds | - | - | - | - |" for signal in silent]
+    seen = [(r["run"], r["onset"], first_warning(rules[0][1], r["lines"])) for r in runs]
+    seen = [f"{run} {onset or '-'} / {first or '-'}" for run, onset, first in seen
+            if onset or first]
+    return lines + ["", "The chosen rule in each run that broke down or was warned (run: onset / "
+                    "first warning, steps): " + ("; ".join(seen) or "none") + "."]
 
 
 def main(argv=None) -> None:

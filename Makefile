@@ -63,6 +63,8 @@ docs: .venv/done
 # from the committed run folders; the runs themselves: experiments/spiral/spiral_runs.py (hours).
 spiral: .venv/done
 	$(PY) experiments/spiral/spiral_study.py experiments/spiral --figure experiments/spiral/survival.png
+	$(PY) experiments/spiral/detector.py replay experiments/spiral/study --seeds 0-14
+	$(PY) experiments/spiral/detector.py replay experiments/spiral/study --seeds 15-29
 
 .PHONY: spiral
 

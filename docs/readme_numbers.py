@@ -118,13 +118,10 @@ def demo() -> str:
 
 def spiral_warning() -> str:
     """The death-spiral warning's rule (monitor.RULE, designed in experiments/spiral/design.json)
-    and its score on the spiral study's held-out seeds that have finished."""
+    and its score on the spiral study's held-out runs that have finished."""
     import monitor
     from experiments.spiral import detector
-    record = json.loads(detector.DESIGN.read_text())
-    design = detector.seed_range(record["design_seeds"])
-    held = [r for r in detector.load(SPIRAL / "study", None)
-            if int(r["run"].rsplit("-s", 1)[1]) not in design]
+    record, held = spiral_held_out()
     text = (f"`lld/warning` fires at each step where {monitor.RULE_TEXT}: the rule chosen on the "
             f"spiral study's seeds {record['design_seeds']} ([experiments/spiral]"
             f"(experiments/spiral/README.md), `make spiral`). ")
@@ -132,11 +129,21 @@ def spiral_warning() -> str:
     s = detector.score(monitor.RULE, held)
     if not held:
         return wrap(text + "Its held-out seeds have not run yet.")
-    lead = "-" if s["median_lead"] is None else f"{s['median_lead']:g}"
-    return wrap(text + f"On the {len(held)} held-out runs it warned {s['warned']} of "
-                f"{s['breakdowns']} breakdowns at least {detector.LEAD} steps ahead (median lead "
-                f"{lead} steps) and fired in {s['false_alarms']} of the {s['calm']} runs that did "
-                "not break down.")
+    runs = f"the {len(held)} held-out runs" if len(held) == detector.HELD_OUT_RUNS else (
+        f"the held-out runs finished so far ({len(held)} of {detector.HELD_OUT_RUNS})")
+    lead = f" (median lead {s['median_lead']:g} steps)" if s["warned"] else ""
+    return wrap(text + f"On {runs}, it warned {s['warned']} of {s['breakdowns']} breakdowns "
+                f"{detector.LEAD} or more steps ahead{lead} and fired in {s['false_alarms']} of "
+                f"the {s['calm']} runs without one.")
+
+
+def spiral_held_out() -> tuple[dict, list[dict]]:
+    """The warning's design record and the held-out runs that have finished (not its seeds)."""
+    from experiments.spiral import detector
+    record = json.loads(detector.DESIGN.read_text())
+    design = detector.seed_range(record["design_seeds"])
+    return record, [r for r in detector.load(SPIRAL / "study", None)
+                    if detector.seed_of(r["run"]) not in design]
 
 
 def results() -> str:
@@ -198,20 +205,21 @@ def spiral_outcome() -> str:
 
 def spiral_detector() -> str:
     """The warning's design (experiments/spiral/design.json) scored on the design seeds and on
-    the held-out seeds that have finished (experiments/spiral/detector.py)."""
+    the held-out runs that have finished (experiments/spiral/detector.py)."""
     from experiments.spiral import detector
     if not detector.DESIGN.exists():
         return "No design yet: it is made on seeds 0-14 once both arms of each have finished."
-    record = json.loads(detector.DESIGN.read_text())
+    record, held = spiral_held_out()
     design = detector.seed_range(record["design_seeds"])
-    held = {int(d.name.rsplit("-s", 1)[1]) for d in (SPIRAL / "study").glob("*-s*")} - design
     lines = [f"Design seeds {record['design_seeds']}, both arms:", ""]
     lines += detector.table(record, SPIRAL / "study", design)
+    names = ", ".join(r["run"] for r in held)
+    lines += ["", f"Held-out runs finished: {len(held)} of {detector.HELD_OUT_RUNS}"
+              + (f" ({names})" if 0 < len(held) < detector.HELD_OUT_RUNS else "") + "."]
     if not held:
-        return "\n".join(lines + ["", "Held-out seeds: none has finished yet."])
-    lines += ["", f"Held-out seeds ({len(held)} finished: "
-              f"{', '.join(map(str, sorted(held)))}), both arms:", ""]
-    return "\n".join(lines + detector.table(record, SPIRAL / "study", held))
+        return "\n".join(lines)
+    seeds = {detector.seed_of(r["run"]) for r in held}
+    return "\n".join(lines + [""] + detector.table(record, SPIRAL / "study", seeds))
 
 
 def spiral_result() -> str:

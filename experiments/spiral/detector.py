@@ -29,6 +29,7 @@ from plumbing.plots import read_metrics  # noqa: E402
 
 LEAD, MAX_ALARM_RATE = 2, 0.1
 DESIGN = Path(__file__).resolve().parent / "design.json"      # the design's record, committed
+HELD_OUT_RUNS = 30                                # seeds 15-29, both arms (prereg.md §7)
 SIGNALS = ("lld/correct_displacement", "frac_reward_zero_std", "valid_action_ratio", "finished",
            "entropy", "grad_norm", "grad_norm_max", "clip_ratio", "response_length", "searches",
            "reward", "ctrl/p_search", "ctrl/p_answer", "ctrl/p_close", "grad_norm_z")
@@ -108,12 +109,16 @@ def design(runs: list[dict], pairs_of: int = 40) -> dict:
 
 def load(folder: Path, seeds: set[int] | None) -> list[dict]:
     runs = []
-    for d in sorted(folder.glob("*-s*")):
-        seed = int(d.name.rsplit("-s", 1)[1])
+    for d in sorted(folder.glob("*-s*"), key=lambda d: (d.name.split("-s")[0], seed_of(d.name))):
+        seed = seed_of(d.name)
         if (d / "metrics.jsonl").exists() and (seeds is None or seed in seeds):
             lines = training_lines(d)
             runs.append({"run": d.name, "lines": lines, "onset": breakdown_onset(lines)})
     return runs
+
+
+def seed_of(run: str) -> int:
+    return int(run.rsplit("-s", 1)[1])
 
 
 def seed_range(text: str) -> set[int]:

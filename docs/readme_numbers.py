@@ -118,23 +118,25 @@ def demo() -> str:
 
 def spiral_warning() -> str:
     """The death-spiral warning's rule (monitor.RULE, designed in experiments/spiral/design.json)
-    and its score on the spiral study's held-out runs that have finished."""
+    and its score on its design runs and on the spiral study's held-out runs that have finished."""
     import monitor
     from experiments.spiral import detector
     record, held = spiral_held_out()
-    text = (f"`lld/warning` fires at each step where {monitor.RULE_TEXT}: the rule chosen on the "
-            f"spiral study's seeds {record['design_seeds']} ([experiments/spiral]"
-            f"(experiments/spiral/README.md), `make spiral`). ")
-    text += monitor.RULE_RECORD[0].upper() + monitor.RULE_RECORD[1:] + ". "
-    s = detector.score(monitor.RULE, held)
-    if not held:
-        return wrap(text + "Its held-out seeds have not run yet.")
-    runs = f"the {len(held)} held-out runs" if len(held) == detector.HELD_OUT_RUNS else (
-        f"the held-out runs finished so far ({len(held)} of {detector.HELD_OUT_RUNS})")
-    lead = f" (median lead {s['median_lead']:g} steps)" if s["warned"] else ""
-    return wrap(text + f"On {runs}, it warned {s['warned']} of {s['breakdowns']} breakdowns "
-                f"{detector.LEAD} or more steps ahead{lead} and fired in {s['false_alarms']} of "
-                f"the {s['calm']} runs without one.")
+    design = detector.load(SPIRAL / "study", detector.seed_range(record["design_seeds"]))
+
+    def scored(runs):
+        s = detector.score(monitor.RULE, runs)
+        lead = f" (median lead {s['median_lead']:g})" if s["warned"] else ""
+        return f"{s['warned']} of {s['breakdowns']}{lead} and {s['false_alarms']} of {s['calm']}"
+    total = detector.HELD_OUT_RUNS
+    so_far = "" if len(held) == total else f" so far ({len(held)} of {total})"
+    return wrap(
+        f"`lld/warning` fires at each step where {monitor.RULE_TEXT}, the rule [the spiral "
+        f"study](experiments/spiral/README.md) designed on seeds {record['design_seeds']}. "
+        f"Breakdowns warned {detector.LEAD} or more steps ahead, and runs without one warned: "
+        f"{scored(design)} on its {len(design)} design runs; "
+        + (f"{scored(held)} on the held-out runs{so_far}." if held else
+           "its held-out seeds have not run yet."))
 
 
 def spiral_held_out() -> tuple[dict, list[dict]]:

@@ -161,8 +161,9 @@ class SpiralMonitor:
             series.setdefault(signal, []).append(metrics.get(signal))
         if self.rule and all(c.fires(series[c.signal]) for c in self.rule):
             seen = "; ".join(f"{c}: {c.reading(series[c.signal]):.4g}" for c in self.rule)
-            warnings.append(f"step {step}: {seen} (the default rule: {RULE_RECORD}; LLDS guards "
-                            "against the spiral: --llds, or a larger --llds-lambda)")
+            record = f"the default rule: {RULE_RECORD}; " if self.rule == RULE else ""
+            warnings.append(f"step {step}: {seen} ({record}LLDS guards against the spiral: "
+                            "--llds, or a larger --llds-lambda)")
         return warnings
 
 

@@ -40,7 +40,7 @@ def test_the_rule_warns_where_every_condition_fires():
     out = [warning.check(s, {"entropy": e, "reward": r})
            for s, (e, r) in enumerate(zip(ENTROPY, REWARDS), 1)]
     assert [s for s, w in enumerate(out, 1) if w] == [7, 9]
-    assert "change of entropy > 0.2: 0.4;" in out[6][0] and "< 0.3: 0.25." in out[6][0]
+    assert "change of entropy > 0.2: 0.4;" in out[6][0] and "< 0.3: 0.25 (LLDS" in out[6][0]
     assert feed(SpiralMonitor(()), ENTROPY, REWARDS) == []           # --no-spiral-warning
 
 
@@ -82,6 +82,12 @@ def test_the_default_rule_is_the_one_the_spiral_study_designed():
             f"{s['false_alarms']} of the {s['calm']} runs without one") in monitor.RULE_RECORD
     assert train.Config().spiral_warning
     assert monitor.RULE_TEXT in field_help(train.Config)["spiral_warning"]
+    # the closing tags' probability: baseline mean(0.9, 0.9, 0.9); steps 4-5 average 0.65, -0.25
+    default = monitor.SpiralMonitor()
+    out = [default.check(s, {"reward": 0.5, "ctrl/p_close": p})
+           for s, p in enumerate([0.9, 0.9, 0.9, 0.7, 0.6], 1)]
+    assert [bool(w) for w in out] == [False] * 4 + [True]
+    assert ": -0.25 (the default rule: " + monitor.RULE_RECORD in out[4][0]
 
 
 def test_the_detector_replays_a_committed_run_as_train_pys_monitor_reads_it():

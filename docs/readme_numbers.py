@@ -132,7 +132,8 @@ def spiral_warning() -> str:
     so_far = "" if len(held) == total else f" so far ({len(held)} of {total})"
     return wrap(
         f"`lld/warning` fires at each step where {monitor.RULE_TEXT}, the rule [the spiral "
-        f"study](experiments/spiral/README.md) designed on seeds {record['design_seeds']} (`make spiral`). "
+        f"study](experiments/spiral/README.md) designed on seeds {record['design_seeds']} "
+        "(`make spiral`). "
         f"Breakdowns warned {detector.LEAD} or more steps ahead, and runs without one warned: "
         f"{scored(design)} on its {len(design)} design runs; "
         + (f"{scored(held)} on the held-out runs{so_far}." if held else

@@ -235,13 +235,16 @@ def spiral_result() -> str:
     rows = spiral_study.study_rows(SPIRAL / "study")
     result = spiral_study.outcome(rows)
     arms = {arm: result.get(arm, {"runs": 0, "breakdowns": 0}) for arm in spiral_study.ARMS}
-    text = (f"**The spiral, counted** ([experiments/spiral](experiments/spiral/README.md), "
-            f"pre-registered, 30 seeds an arm planned): plain GRPO broke down in "
+    planned = "" if min(a["runs"] for a in arms.values()) >= 30 else " planned"
+    text = (f"**The spiral, counted** over 30 seeds an arm{planned} ([pre-registered]"
+            f"(experiments/spiral/README.md)): plain GRPO broke down in "
             f"{arms['grpo']['breakdowns']} of {arms['grpo']['runs']} runs, GRPO + LLDS in "
             f"{arms['llds']['breakdowns']} of {arms['llds']['runs']}")
     if "fisher_p" in result:
         text += (f" (Fisher's p = {result['fisher_p']:.2g}, log-rank p = "
                  f"{result['log_rank']['p']:.2g})")
+    if 0 < arms["llds"]["breakdowns"] < arms["grpo"]["breakdowns"]:
+        text += ": rarer, not prevented"
     em = result.get("em_paired")
     if em:
         text += (f". Final held-out EM, LLDS - GRPO by seed: {em['mean']:+.2f} "

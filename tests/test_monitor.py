@@ -80,6 +80,14 @@ def test_the_default_rule_is_the_one_the_spiral_study_designed():
     assert (f"on the {s['breakdowns'] + s['calm']} runs it was designed on, it warned {s['warned']}"
             f" of {s['breakdowns']} breakdowns 2 or more steps ahead and fired in "
             f"{s['false_alarms']} of the {s['calm']} runs without one") in monitor.RULE_RECORD
+    design = detector.seed_range(record["design_seeds"])
+    held = [r for r in detector.load(ROOT / "experiments/spiral/study", None)
+            if detector.seed_of(r["run"]) not in design]
+    assert len(held) == detector.HELD_OUT_RUNS
+    h = detector.score(monitor.RULE, held)
+    assert (f"on the {len(held)} held-out runs, {h['warned']} of {h['breakdowns']} (median lead "
+            f"{h['median_lead']:g} steps) and {h['false_alarms']} of {h['calm']}"
+            ) in monitor.RULE_RECORD
     assert train.Config().spiral_warning
     assert monitor.RULE_TEXT in field_help(train.Config)["spiral_warning"]
     # the closing tags' probability: baseline mean(0.9, 0.9, 0.9); steps 4-5 average 0.65, -0.25

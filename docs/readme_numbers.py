@@ -144,9 +144,7 @@ def spiral_held_out() -> tuple[dict, list[dict]]:
     """The warning's design record and the held-out runs that have finished (not its seeds)."""
     from experiments.spiral import detector
     record = json.loads(detector.DESIGN.read_text())
-    design = detector.seed_range(record["design_seeds"])
-    return record, [r for r in detector.load(SPIRAL / "study", None)
-                    if detector.seed_of(r["run"]) not in design]
+    return record, detector.held_out(SPIRAL / "study", record)
 
 
 def results() -> str:

@@ -80,9 +80,7 @@ def test_the_default_rule_is_the_one_the_spiral_study_designed():
     assert (f"on the {s['breakdowns'] + s['calm']} runs it was designed on, it warned {s['warned']}"
             f" of {s['breakdowns']} breakdowns 2 or more steps ahead and fired in "
             f"{s['false_alarms']} of the {s['calm']} runs without one") in monitor.RULE_RECORD
-    design = detector.seed_range(record["design_seeds"])
-    held = [r for r in detector.load(ROOT / "experiments/spiral/study", None)
-            if detector.seed_of(r["run"]) not in design]
+    held = detector.held_out(ROOT / "experiments/spiral/study", record)
     assert len(held) == detector.HELD_OUT_RUNS
     h = detector.score(monitor.RULE, held)
     assert (f"on the {len(held)} held-out runs, {h['warned']} of {h['breakdowns']} (median lead "

@@ -117,6 +117,12 @@ def load(folder: Path, seeds: set[int] | None) -> list[dict]:
     return runs
 
 
+def held_out(folder: Path, record: dict) -> list[dict]:
+    """The finished runs of the seeds the design (`record`) did not see."""
+    design = seed_range(record["design_seeds"])
+    return [r for r in load(folder, None) if seed_of(r["run"]) not in design]
+
+
 def seed_of(run: str) -> int:
     return int(run.rsplit("-s", 1)[1])
 

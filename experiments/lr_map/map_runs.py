@@ -1,0 +1,146 @@
+"""Runs the learning-rate x method map (experiments/lr_map/prereg.md) resumably, in its
+registered order.
+
+    .venv/bin/python experiments/lr_map/map_runs.py --dry-run     # the queue, nothing run
+    .venv/bin/python experiments/lr_map/map_runs.py --commit      # every run not landed yet
+
+The training code is the spiral study's registered commit (TRAIN_COMMIT), run from a worktree of
+it (`git worktree add ../dd7ab09 dd7ab09`, made here when missing), so the map's runs and the
+spiral study's share one training path: its warm-start (built once a machine by that commit's
+`spiral_runs.py sft`), its RL setting (that commit's SETTING) and its 15 steps. Each run is
+`train.py <SETTING> <arm's flags> --model <warm-start> --lr L --steps 15 --seed N --resume`, one
+thread each, two side by side; the next run starts as soon as one ends. A finished run's small
+files (metrics.jsonl, config.json, machine.json, and run.json: both commits and the warm-start's
+hash) land in experiments/lr_map/runs/lr<L>/<arm>-s<seed>/, `--commit` commits that folder alone,
+and the run's checkpoints and export are deleted then (about 1.5 GiB a run). A killed run
+continues from its last checkpoint; a landed one is skipped.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+TRAIN_COMMIT = "dd7ab09ef48fa172d248ea8198c16e8c03647cec"    # the spiral study's registering commit
+STEPS = "15"
+# Each arm's flags after SETTING (whose --kl-coef 0 comes first; argparse keeps the last).
+ARMS = {"grpo": ["--no-llds"], "llds": [],
+        "grpo-kl0.001": ["--no-llds", "--kl-coef", "0.001"],
+        "grpo-kl0.04": ["--no-llds", "--kl-coef", "0.04"],
+        "llds-kl0.001": ["--kl-coef", "0.001"]}
+LR_CELLS = ("2e-5", "4e-5", "1.6e-4", "1e-5")        # plain GRPO and GRPO + LLDS, seeds 0-7
+KL_LR, KL_ARMS = "8e-5", ("grpo-kl0.001", "grpo-kl0.04", "llds-kl0.001")    # seeds 0-9
+# Four rounds, each a balanced map (prereg.md §4): the lr cells' seeds, then the KL cells' seeds.
+ROUNDS = (((0, 1), (0, 1)), ((2, 3), (2, 3, 4)), ((4, 5), (5, 6, 7)), ((6, 7), (8, 9)))
+SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
+
+
+def queue() -> list[tuple[str, str, int]]:
+    """Every counted run, (lr, arm, seed), in the order they start (94 runs)."""
+    runs = []
+    for lr_seeds, kl_seeds in ROUNDS:
+        runs += [(lr, arm, s) for s in lr_seeds for lr in LR_CELLS for arm in ("grpo", "llds")]
+        runs += [(KL_LR, arm, s) for s in kl_seeds for arm in KL_ARMS]
+    return runs
+
+
+def landed_folder(dest: Path, lr: str, arm: str, seed: int) -> Path:
+    return dest / "experiments" / "lr_map" / "runs" / f"lr{lr}" / f"{arm}-s{seed}"
+
+
+def registered_runner(worktree: Path):
+    """The registering commit's experiments/spiral/spiral_runs.py (SETTING, sft, sha256, finished),
+    loaded from its worktree, which is made here when missing."""
+    if not worktree.exists():
+        subprocess.run(["git", "worktree", "add", str(worktree), TRAIN_COMMIT], cwd=ROOT, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=worktree, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    if head != TRAIN_COMMIT:
+        raise SystemExit(f"error: {worktree} is at {head}, not {TRAIN_COMMIT}")
+    path = worktree / "experiments" / "spiral" / "spiral_runs.py"
+    spec = importlib.util.spec_from_file_location("registered_spiral_runs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit: bool) -> str:
+    """One run to its end (resumed if it was killed), landed, committed, its checkpoints deleted."""
+    landed = landed_folder(dest, lr, arm, seed)
+    if reg.finished(landed, int(STEPS)):
+        return f"{landed}: done already"
+    worktree, name = reg.ROOT, f"{arm}-s{seed}"
+    out_dir = worktree / "runs" / "lr_map" / f"lr{lr}"
+    cmd = [PY, "train.py", *reg.SETTING, *ARMS[arm], "--model", str(model), "--out-dir",
+           str(out_dir), "--name", name, "--seed", str(seed), "--lr", lr, "--steps", STEPS,
+           "--resume"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / f"{name}.log"
+    with open(log, "a") as f:
+        code = subprocess.run(cmd, cwd=worktree, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    if code:
+        return f"{lr} {name}: exit {code}, see {log}"
+    landed.mkdir(parents=True, exist_ok=True)
+    for f in SMALL_FILES:
+        shutil.copy(out_dir / name / f, landed / f)
+    (landed / "run.json").write_text(json.dumps({
+        "train_commit": TRAIN_COMMIT, "runner_commit": git_head(ROOT),
+        "sft_sha256": reg.sha256(model), "log": str(log)}) + "\n")
+    if commit:
+        commit_folder(dest, landed, f"lr map: lr{lr}/{name} finished")
+    for heavy in [*(out_dir / name).glob("ckpt-*"), out_dir / name / "model-bf16"]:
+        shutil.rmtree(heavy, ignore_errors=True)
+    return f"{landed}: finished"
+
+
+def git_head(repo: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def commit_folder(repo: Path, folder: Path, message: str) -> None:
+    """The landed run folder alone, committed; retried while another git command holds the
+    index. Nothing else in the checkout is touched."""
+    for _ in range(30):
+        add = subprocess.run(["git", "add", str(folder)], cwd=repo, capture_output=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", str(folder)], cwd=repo,
+            capture_output=True).returncode == 0
+        if done:
+            return
+        time.sleep(10)
+    print(f"warning: could not commit {folder}; commit it by hand", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each")
+    parser.add_argument("--worktree", default=str(ROOT.parent / TRAIN_COMMIT[:7]),
+                        help="a worktree of the training commit (made when missing)")
+    parser.add_argument("--dest", default=str(ROOT), help="the checkout the results land in")
+    parser.add_argument("--commit", action="store_true", help="commit each finished run folder")
+    parser.add_argument("--dry-run", action="store_true", help="print the queue and stop")
+    args = parser.parse_args()
+    runs, dest = queue(), Path(args.dest)
+    if args.dry_run:
+        for lr, arm, seed in runs:
+            done = (landed_folder(dest, lr, arm, seed) / "run.json").exists()
+            print(f"lr {lr:>6}  {arm:<13} seed {seed}{'  (landed)' if done else ''}")
+        return
+    reg = registered_runner(Path(args.worktree))
+    model = reg.sft()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for line in pool.map(lambda r: train_run(reg, model, dest, *r, args.commit), runs):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -71,7 +71,8 @@ def registered_runner(worktree: Path):
     return module
 
 
-def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit: bool) -> str:
+def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit: bool,
+              runner_commit: str) -> str:
     """One run to its end (resumed if it was killed), landed, committed, its checkpoints deleted."""
     landed = landed_folder(dest, lr, arm, seed)
     if reg.finished(landed, int(STEPS)):
@@ -92,7 +93,7 @@ def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit
     for f in SMALL_FILES:
         shutil.copy(out_dir / name / f, landed / f)
     (landed / "run.json").write_text(json.dumps({
-        "train_commit": TRAIN_COMMIT, "runner_commit": git_head(ROOT),
+        "train_commit": TRAIN_COMMIT, "runner_commit": runner_commit,
         "sft_sha256": reg.sha256(model), "log": str(log)}) + "\n")
     if commit:
         commit_folder(dest, landed, f"lr map: lr{lr}/{name} finished")
@@ -135,10 +136,10 @@ def main() -> None:
             done = (landed_folder(dest, lr, arm, seed) / "run.json").exists()
             print(f"lr {lr:>6}  {arm:<13} seed {seed}{'  (landed)' if done else ''}")
         return
-    reg = registered_runner(Path(args.worktree))
+    reg, head = registered_runner(Path(args.worktree)), git_head(ROOT)
     model = reg.sft()
     with ThreadPoolExecutor(args.jobs) as pool:
-        for line in pool.map(lambda r: train_run(reg, model, dest, *r, args.commit), runs):
+        for line in pool.map(lambda r: train_run(reg, model, dest, *r, args.commit, head), runs):
             print(line, flush=True)
 
 

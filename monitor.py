@@ -25,9 +25,11 @@ probability the rollout policy gave its control tags where it wrote them (`ctrl/
 `ctrl/p_answer`, `ctrl/p_close`) and the step's gradient norm as a z-score against the run's own
 earlier steps (`grad_norm_z`).
 
-Also reported, as a fact rather than a forecast: a non-finite gradient norm (that update was
-skipped). A step without a correct response displaces none; with --displacement-every 0 (or N > 1)
-the displacement is missing on the steps without it and the rule sees less.
+`lld/warning` is this rule alone, and `--no-spiral-warning` silences it. A non-finite gradient
+norm is a fact, not a forecast: train.py reports it whatever the switch (`grad_norm_nonfinite`, the
+update skipped and counted in `skipped_steps`). A step without a correct response displaces none;
+with --displacement-every 0 (or N > 1) the displacement is missing on the steps without it and the
+rule sees less.
 """
 import itertools
 import math
@@ -152,10 +154,6 @@ class SpiralMonitor:
     def check(self, step: int, metrics: dict) -> list[str]:
         """The warnings of this step (a list of sentences, empty when all is well)."""
         warnings, series = [], self.history["signals"]
-        norm = metrics.get("grad_norm_max")
-        if norm is not None and not math.isfinite(norm):
-            warnings.append(f"step {step}: gradient norm {norm}; the update was skipped "
-                            "(skipped_steps)")
         if metrics.get("reward") is None:          # not a training step: no signal moves
             return warnings
         for signal in dict.fromkeys(c.signal for c in self.rule):

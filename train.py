@@ -454,6 +454,9 @@ def train(cfg: Config, model=None, tokenizer=None) -> dict:
                              show=lambda text: bar.set_description_str(f"{cfg.name} {text}"))
         bar.set_description_str(cfg.name, refresh=False)
         skipped += metrics["grad_norm_nonfinite"]
+        if metrics["grad_norm_nonfinite"]:         # a fact, not the warning's forecast: always said
+            tqdm.write(f"step {step}: {metrics['grad_norm_nonfinite']} update(s) skipped, their "
+                       "gradient norm not finite (grad_norm_nonfinite, skipped_steps)")
         metrics["skipped_steps"] = skipped
         metrics["grad_norm_z"] = warning.grad_norm_z(metrics["grad_norm"])
         metrics["lld/warning"] = warning.warn(step, metrics)       # 1 when the spiral shows

@@ -22,7 +22,7 @@ setup: .venv/done
 
 train: .venv/done
 	$(PY) train.py $(ARGS)
-	@echo "next: plain GRPO on the same seed, make train ARGS=\"--no-llds --name grpo\"; ask the agent, .venv/bin/python ask.py \"Where was Doravin Kelso born?\" --model runs/<run>"
+	@echo "next: plain GRPO on the same seed, make train ARGS=\"--no-llds --name grpo\"; ask the agent, .venv/bin/python ask.py \"Where was Drardrin Kritruard born?\" --model runs/<run>"
 
 test: .venv/done .venv/test-done .venv/verl-done .venv-bare/done
 	$(PY) -m pytest -q tests $(ARGS)
@@ -67,6 +67,14 @@ spiral: .venv/done
 	$(PY) experiments/spiral/detector.py replay experiments/spiral/study --seeds 15-29
 
 .PHONY: spiral
+
+# The learning-rate x method map (experiments/lr_map/prereg.md): final held-out EM against the learning rate
+# for plain GRPO and GRPO + LLDS, and the paper's KL arms at 8e-5, from the committed run folders; the runs
+# themselves: experiments/lr_map/map_runs.py --commit (about a day on 2 cores, resumable).
+lr-map: .venv/done
+	$(PY) experiments/lr_map/lr_map.py --figure experiments/lr_map/map.png
+
+.PHONY: lr-map
 
 # The LLD lab (experiments/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
 # GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in experiments/lab/;

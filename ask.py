@@ -1,7 +1,7 @@
 """ask.py: ask the agent a question and watch it search.
 
-    python ask.py "Where was Doravin Kelso born?"          # the embedded SmolLM2-135M-Instruct
-    python ask.py "Where was ... born?" --model runs/demo   # a train.py run (its newest checkpoint)
+    python ask.py "Where was Drardrin Kritruard born?"               # the embedded model
+    python ask.py "Where was Drardrin Kritruard born?" --model runs/demo   # a train.py run
 
 One episode of rollout.py, greedy, printed turn by turn: what the model wrote, each search, the
 passages it got back (shortened to a line each), and its answer. Coloured on a terminal, plain

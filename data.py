@@ -277,6 +277,13 @@ def heldout_set(source: str, size: int) -> list[Record]:
     return records[:size]
 
 
+def example_question() -> Record:
+    """The question the docs ask a trained demo (`make train`'s last line, README.md, ask.py):
+    chosen from the toy world the demo trains on, the first "Where was <person> born?" of its
+    held-out questions (tests/test_ask.py checks the three places ask it)."""
+    return next(r for r in heldout_set("toy_nq", 100) if r["question"].startswith("Where was "))
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------

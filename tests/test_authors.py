@@ -6,10 +6,13 @@ where we do not, the difference docs/method.md names.
 micro-batch (`dp_actor.py` update_policy, `core_algos.py` compute_policy_loss and kl_penalty
 "low_var_kl"): each term a token-mean over the micro-batch's model tokens, the ratio clamped at
 100 before PPO's clip, the hinge torch.maximum(0, d), LLDS's coefficient lambda off the answer
-span and min(w, lambda) on it (adaptively min(w * max(V - 1, 0), lambda)). A mini-batch is the
-mean of its micro-batches: their loss / gradient-accumulation steps, and FSDP's mean over GPUs of
-equal micro-batch counts. The whole-step tests run the real `train.train_step` on a hand-made
-batch and compare the gradient it hands the optimizer with this restatement's.
+span and min(w, lambda) on it (adaptively min(w * max(V - 1, 0), lambda)); also written the
+same plain way: gate "token" (no gate) and LLDS's seq-mean (the paper's eq. 4). A mini-batch is
+the mean of its micro-batches: their loss / gradient-accumulation steps, and FSDP's mean over GPUs
+of equal micro-batch counts; its gradient clipped to a total norm (clip_grad_norm_) before the
+optimizer step. The whole-step tests run the real `train.train_step` on hand-made batches and
+compare the gradient of every update it hands the optimizer with this restatement's
+(`gradient_gap`); tests/test_parity_mutations.py checks that changes to train_step fail them.
 """
 import dataclasses
 import math
@@ -30,19 +33,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def authors_micro_loss(logp, old, ref, entropy, adv, mask, answer, *, lam, gate, w=math.inf,
-                       valid_searches=None, clip=0.2, kl_coef=0.001, entropy_coef=0.001):
+                       valid_searches=None, reduction="token-mean", clip=0.2, kl_coef=0.001,
+                       entropy_coef=0.001):
     """One micro-batch's loss as the authors' actor computes it. (B, T) tensors (logp with grad);
-    adv (B,); mask: model tokens; answer: 1 on the final answer span."""
+    adv (B,); mask: model tokens; answer: 1 on the final answer span. reduction "seq-mean": LLDS's
+    part as the paper's eq. 4, over the micro-batch's responses of A >= 0."""
     if valid_searches is not None:
         w = w * max(valid_searches - 1, 0)            # inf * 0 is NaN, as in their code
     answer_coef = min(w, lam)                         # Python's min keeps a NaN first argument
     pg = ent = kl = reg = 0.0
-    n = 0
+    n = n_preserving = 0
     for i in range(len(logp)):
         tokens = [t for t in range(logp.shape[1]) if mask[i, t]]
-        n += len(tokens)
+        preserving = bool(adv[i] >= 0) and len(tokens) > 0
+        n, n_preserving = n + len(tokens), n_preserving + preserving
         d = {t: old[i, t] - logp[i, t] for t in tokens}
-        if gate == "response":
+        if gate != "action":
             pieces = [tokens]
         else:       # runs of consecutive model tokens
             pieces = []
@@ -51,8 +57,9 @@ def authors_micro_loss(logp, old, ref, entropy, adv, mask, answer, *, lam, gate,
                     pieces[-1].append(t)
                 else:
                     pieces.append([t])
-        opened = {t for piece in pieces if adv[i] >= 0 and sum(d[t].item() for t in piece) > 0
-                  for t in piece}
+        opened = {t for piece in pieces if preserving and (
+            gate == "token" or sum(d[t].item() for t in piece) > 0) for t in piece}
+        row_reg = 0.0
         for t in tokens:
             ratio = torch.clamp(torch.exp(logp[i, t] - old[i, t]), -100.0, 100.0)
             pg = pg + torch.max(-adv[i] * ratio, -adv[i] * torch.clamp(ratio, 1 - clip, 1 + clip))
@@ -61,8 +68,11 @@ def authors_micro_loss(logp, old, ref, entropy, adv, mask, answer, *, lam, gate,
             kl = kl + torch.clamp(torch.exp(u) - u - 1, -10.0, 10.0)
             # every model token's penalty times its coefficient, 0 where the gate is shut
             coef = answer_coef if answer[i, t] else lam
-            reg = reg + coef * (t in opened) * torch.maximum(torch.zeros_like(d[t]), d[t])
-    return (pg - entropy_coef * ent + kl_coef * kl + reg) / max(n, 1)
+            row_reg = row_reg + coef * (t in opened) * torch.maximum(torch.zeros_like(d[t]), d[t])
+        # seq-mean: each response's penalty over its own tokens, then over the A >= 0 responses
+        reg = reg + (row_reg if reduction == "token-mean" else row_reg / max(len(tokens), 1))
+    reg = reg / max(n if reduction == "token-mean" else n_preserving, 1)
+    return (pg - entropy_coef * ent + kl_coef * kl) / max(n, 1) + reg
 
 
 # ---- The whole step: train.train_step's gradient against the restatement's ------------------
@@ -98,7 +108,7 @@ def fixed_rollout(rewards, n_search, actions, observations):
 
 
 class GradRecorder(torch.optim.SGD):
-    """An optimizer that records the gradients it is asked to apply, and applies none."""
+    """Plain SGD (train_step sets its lr) that records the gradient of every update it applies."""
 
     def __init__(self, params):
         super().__init__(params, lr=0.0)
@@ -107,6 +117,7 @@ class GradRecorder(torch.optim.SGD):
     def step(self, closure=None):
         self.seen.append(torch.cat([p.grad.flatten() for g in self.param_groups
                                     for p in g["params"]]))
+        super().step()
 
 
 # 2 questions x 3 rollouts: advantages +0.577, -1.155, +0.577 and a tied group (0, 0, 0)
@@ -127,65 +138,110 @@ def step_config(tmp_path, **overrides):
     return train.Config(**{**base, **overrides})
 
 
-def run_step(tmp_path, monkeypatch, cfg, batch, d, step=1, optimizer=GradRecorder):
-    """train.train_step on `batch` (a Rollout) with the tiny policy, a reference of another seed,
-    and the rollout policy's log-probs shifted by d (N, T) on model tokens (as a later mini-batch
-    sees them: d = log pi_old - log pi_theta) -> (the run, the step's metrics, its mini-batches)."""
-    model, tokenizer = tiny_policy(seed=0)
+def reference():
+    """The frozen reference: another seed, its logits x 24, sure where the policy is not, so that
+    some tokens' k3 KL passes the clamp at 10 (u = ref_logp - logp from -18 to 1.3 here)."""
     ref = tiny_policy(seed=1)[0].requires_grad_(False)
+    ref.lm_head.weight.mul_(24.0)
+    return ref
+
+
+def run_step(tmp_path, monkeypatch, cfg, batch, d, step=1, optimizer=GradRecorder, module=train):
+    """module.train_step (train's, or a changed copy's) on `batch` (a Rollout) with the tiny
+    policy, the reference, and the rollout policy's log-probs shifted by d (N, T) on model tokens
+    (as a later mini-batch sees them: d = log pi_old - log pi_theta)
+    -> (the run, the step's metrics, its mini-batches)."""
+    model, tokenizer = tiny_policy(seed=0)
     run = runs.Run(device=torch.device("cpu"), dir=tmp_path, train_records=[], eval_records=[],
                    retriever=None, model=model, tokenizer=tokenizer,
-                   ref=ref if cfg.kl_coef > 0 else None,
+                   ref=reference() if cfg.kl_coef > 0 else None,
                    optimizer=optimizer(p for p in model.parameters()))
     monkeypatch.setattr(ro, "rollout", lambda *args, **kwargs: batch)
-    seen, real_pass = [], train.logprob_pass
+    seen, real_pass = [], module.logprob_pass
 
     def shifted_pass(model, batch, minibatches, *args):
         seen.append(minibatches)
         logp, entropy = real_pass(model, batch, minibatches, *args)
         return (logp + d * batch["loss_mask"] if model is run.model else logp), entropy
 
-    monkeypatch.setattr(train, "logprob_pass", shifted_pass)
+    monkeypatch.setattr(module, "logprob_pass", shifted_pass)
     sampler = PromptSampler([{"id": str(i), "question": "q", "golds": ["x"]} for i in range(4)], 0)
-    metrics = train.train_step(step, cfg, run, sampler)
+    metrics = module.train_step(step, cfg, run, sampler)
     return run, metrics, seen[0]
 
 
-def authors_gradient(run, cfg, batch, d, micro_batches, weights, **kw):
-    """The restatement's gradient on the policy's parameters: log-probs and entropy from one plain
-    forward at the sampling temperature, old ones = these + d, the reference's from its own
-    forward, GRPO's advantages; the loss sum_m weights[m] x authors_micro_loss(micro-batch m)."""
-    model, ids, attn = run.model, batch.input_ids, batch.attention_mask
+def logprobs(model, batch, temperature):
+    """log pi(token t | tokens < t) and the entropy of pi before token t at the sampling
+    temperature, from one plain forward of every row: two (N, T), 0 at t = 0."""
+    ids = batch.input_ids
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp, entropy = torch.zeros(ids.shape), torch.zeros(ids.shape)
+    logp[:, 1:] = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy[:, 1:] = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def authors_updates(cfg, batch, d, minibatches, ref, weights=None, **kw):
+    """The restatement's step from the initial policy (seed 0): old log-probs = its own + d, the
+    reference's from `ref`, GRPO's advantages; then for each mini-batch (a list of micro-batches'
+    rows) the loss sum_m weights[m] x authors_micro_loss(micro-batch m) at the current weights
+    (weights default 1 / M: the micro-batches' mean), its gradient scaled to a total norm of at
+    most cfg.grad_clip as clip_grad_norm_ does, and a plain SGD step at cfg.lr (none where the
+    norm is not finite) -> {"loss", "norm" (before the clip), "grad" (after it), "moved" (the
+    largest |log pi - its initial value| on a model token)}: lists, one entry per update."""
+    model = tiny_policy(seed=0)[0]
+    params = list(model.parameters())
     rewards = torch.tensor([e["reward"] for e in batch.episodes]).view(-1, cfg.group_size)
     adv = ((rewards - rewards.mean(1, keepdim=True))
            / (rewards.std(1, keepdim=True) + 1e-6)).flatten()
-
-    def logprobs(m):
-        logits = m(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / cfg.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp, entropy = torch.zeros(ids.shape), torch.zeros(ids.shape)
-        logp[:, 1:] = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        entropy[:, 1:] = -(logp_all.exp() * logp_all).sum(-1)
-        return logp, entropy
-
-    model.zero_grad(set_to_none=True)
-    logp, entropy = logprobs(model)
     with torch.no_grad():
-        ref = logprobs(run.ref)[0]
-    old = logp.detach() + d * batch.loss_mask
-    loss = sum(weight * authors_micro_loss(
-        logp[rows], old[rows], ref[rows], entropy[rows], adv[rows], batch.loss_mask[rows],
-        batch.answer_mask[rows], lam=cfg.llds_lambda, gate=cfg.llds_gate, clip=cfg.clip_eps,
-        kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, **kw)
-        for weight, rows in zip(weights, micro_batches))
-    loss.backward()
-    return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
+        initial = logprobs(model, batch, cfg.temperature)[0]
+        ref_logp = logprobs(ref, batch, cfg.temperature)[0]
+    old = initial + d * batch.loss_mask
+    updates = {"loss": [], "norm": [], "grad": [], "moved": []}
+    for micro_batches in minibatches:
+        logp, entropy = logprobs(model, batch, cfg.temperature)
+        loss = sum(weight * authors_micro_loss(
+            logp[rows], old[rows], ref_logp[rows], entropy[rows], adv[rows], batch.loss_mask[rows],
+            batch.answer_mask[rows], lam=cfg.llds_lambda, gate=cfg.llds_gate,
+            reduction=cfg.llds_reduction, clip=cfg.clip_eps, kl_coef=cfg.kl_coef,
+            entropy_coef=cfg.entropy_coef, **kw)
+            for weight, rows in zip(weights or [1 / len(micro_batches)] * len(micro_batches),
+                                    micro_batches))
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in params])
+        norm = grad.norm().item()
+        grad = grad * min(1.0, cfg.grad_clip / (norm + 1e-6))
+        if math.isfinite(norm):
+            with torch.no_grad():
+                for p, g in zip(params, grad.split([p.numel() for p in params])):
+                    p -= cfg.lr * g.view_as(p)
+        moved = ((logp.detach() - initial) * batch.loss_mask).abs().max().item()
+        for key, value in zip(updates, (loss.item(), norm, grad, moved)):
+            updates[key].append(value)
+    return updates
+
+
+def gradient_gap(ours, theirs):
+    """How far apart two steps' update gradients are, in units of what float32 rounding allows:
+    the largest |ours - theirs| over 2e-6 x the update's largest entry + 1e-5 x the entry's own
+    size (train_step and one plain forward agree within 5e-7 of the largest entry here; weighting
+    the entropy term, the smallest, 60/61 moves 4e-4). <= 1: the same; inf: another number of
+    updates, or a non-finite entry."""
+    if len(ours) != len(theirs):
+        return math.inf
+    gap = 0.0
+    for o, t in zip(ours, theirs):
+        err = ((o - t).abs() / (2e-6 * t.abs().max() + 1e-5 * t.abs())).max().item()
+        gap = math.inf if math.isnan(err) else max(gap, err)
+    return gap
 
 
 def assert_same(ours, theirs):
-    """Equal up to float32 rounding: train_step and one plain forward agree within 5e-7 of the
-    largest gradient entry here; weighting the entropy term (the smallest) 60/61 moves 4e-4."""
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-6 * theirs.abs().max().item())
+    """Equal up to float32 rounding (gradient_gap)."""
+    assert ours.abs().max() > 0 and gradient_gap([ours], [theirs]) <= 1
 
 
 def displacement(batch):
@@ -219,13 +275,68 @@ def test_train_steps_gradient_is_the_authors(tmp_path, monkeypatch, gate, ma):
     d = displacement(batch)
     cfg = step_config(tmp_path, llds_gate=gate, **ours_flags)
     run, metrics, minibatches = run_step(tmp_path, monkeypatch, cfg, batch, d)
-    (micro_batches,) = minibatches
-    assert [len(m) for m in micro_batches] == [3, 3] and 0 < metrics["clip_ratio"] < 1
+    assert [len(m) for m in minibatches[0]] == [3, 3] and 0 < metrics["clip_ratio"] < 1
     assert 0 < metrics["llds/active_action_frac"] < 1
     (ours,) = run.optimizer.seen
-    _, theirs = authors_gradient(run, cfg, batch, d, micro_batches, [0.5, 0.5], **theirs_flags)
-    assert ours.abs().max() > 0
-    assert_same(ours, theirs)
+    theirs = authors_updates(cfg, batch, d, minibatches, run.ref, **theirs_flags)["grad"]
+    assert_same(ours, theirs[0])
+
+
+# A whole step of several updates: 4 questions x 3 rollouts, two groups with a spread (one as
+# above, one (0, 1, 1)) and two tied (A = 0: LLDS guards them), 10 model tokens in every row.
+STEP_BATCH = dict(rewards=REWARDS + [0.0, 1.0, 1.0, 1.0, 1.0, 1.0], n_search=SEARCHES[2.5] * 2,
+                  actions=EQUAL + EQUAL[::-1], observations=OBSERVATIONS + [6, 1, 4, 2, 5, 3])
+# 3 updates (in the authors' row order: fixed) of 2 micro-batches, plain SGD between them at an
+# lr that moves some log-probs by 0.2, a clip that binds at updates 1 and 2 (norms 1.4, 2), not 3
+STEP_FLAGS = dict(prompts_per_step=4, mini_batch_size=4, micro_batch_size=2,
+                  verl_minibatches=True, lr=0.03, grad_clip=1.0)
+# case -> (train.py's flags, the restatement's keywords); seq-mean with one micro-batch an update,
+# where the restatement's mean over a micro-batch's responses is the mini-batch's
+WHOLE_STEP = {"action gate, adaptive LLDS-MA": (dict(answer_coef=0.1, answer_adaptive=True),
+                                                dict(w=0.1, valid_searches=2.5)),
+              "response gate, LLDS-MA w=0.05": (dict(llds_gate="response", answer_coef=0.05),
+                                                dict(w=0.05)),
+              "token gate, seq-mean": (dict(llds_gate="token", llds_reduction="seq-mean",
+                                            micro_batch_size=4), {})}
+
+
+def whole_step(tmp_path, monkeypatch, case, module=train):
+    """A case of WHOLE_STEP through module.train_step (train's, or a changed copy's) and through
+    the restatement -> (our updates' gradients, the restatement's updates, the step's metrics)."""
+    flags, kw = WHOLE_STEP[case]
+    batch = fixed_rollout(**STEP_BATCH)
+    d = displacement(batch)
+    cfg = step_config(tmp_path, **{**STEP_FLAGS, **flags})
+    run, metrics, minibatches = run_step(tmp_path, monkeypatch, cfg, batch, d, module=module)
+    return run.optimizer.seen, authors_updates(cfg, batch, d, minibatches, run.ref, **kw), metrics
+
+
+@pytest.mark.parametrize("case", WHOLE_STEP)
+def test_a_whole_steps_updates_are_the_authors(tmp_path, monkeypatch, case):
+    """Three updates, each the mean of its micro-batches: every update's gradient, clipped, is the
+    restatement's (gradient_gap), in conditions where each part of the step shows: updates 2 and 3
+    see the d that updates 1 and 2 caused (on top of the injected d) and divide by their own
+    mini-batch's count; the clip binds at updates 1 and 2, not at 3, so a term's scale shows;
+    some ratios are clipped; some gates open, some shut. tests/test_parity_mutations.py: what
+    changes to train_step this catches."""
+    ours, theirs, metrics = whole_step(tmp_path, monkeypatch, case)
+    assert gradient_gap(ours, theirs["grad"]) <= 1
+    assert [norm > STEP_FLAGS["grad_clip"] for norm in theirs["norm"]] == [True, True, False]
+    assert theirs["moved"][0] == 0 and min(theirs["moved"][1:]) > 0.1
+    assert 0 < metrics["clip_ratio"] < 1
+    assert 0 < metrics["llds/active_action_frac"] < 1 or case == "token gate, seq-mean"
+
+
+def test_the_whole_steps_k3_kl_passes_its_clamp_on_some_tokens():
+    """The reference is sure where the policy is not: at the initial weights 13 of the 120 model
+    tokens have k3 > 10 (u < -11), clamped to 10 (gradient 0), the others not; no |u| reaches 20,
+    where kl_k3's inner clamp would act."""
+    batch = fixed_rollout(**STEP_BATCH)
+    with torch.no_grad():
+        u = (logprobs(reference(), batch, 0.7)[0]
+             - logprobs(tiny_policy(seed=0)[0], batch, 0.7)[0])[batch.loss_mask.bool()]
+    k3 = u.exp() - u - 1
+    assert (int((k3 > 10).sum()), len(k3)) == (13, 120) and u.abs().max() < 20
 
 
 def test_answer_coef_inf_with_adaptive_is_a_step_the_authors_do_not_have(tmp_path, monkeypatch):
@@ -237,13 +348,12 @@ def test_answer_coef_inf_with_adaptive_is_a_step_the_authors_do_not_have(tmp_pat
     batch = fixed_rollout(REWARDS, SEARCHES[0.5], EQUAL, OBSERVATIONS)
     d = displacement(batch)
     cfg = step_config(tmp_path, answer_coef=math.inf, answer_adaptive=True)
-    run, _, (micro_batches,) = run_step(tmp_path, monkeypatch, cfg, batch, d)
+    run, _, minibatches = run_step(tmp_path, monkeypatch, cfg, batch, d)
     (ours,) = run.optimizer.seen
-    _, span_off = authors_gradient(run, cfg, batch, d, micro_batches, [0.5, 0.5], w=0.0)
-    assert_same(ours, span_off)
-    theirs, _ = authors_gradient(run, cfg, batch, d, micro_batches, [0.5, 0.5], w=math.inf,
-                                 valid_searches=0.5)
-    assert math.isnan(theirs.item())
+    span_off = authors_updates(cfg, batch, d, minibatches, run.ref, w=0.0)
+    assert_same(ours, span_off["grad"][0])
+    theirs = authors_updates(cfg, batch, d, minibatches, run.ref, w=math.inf, valid_searches=0.5)
+    assert math.isnan(theirs["loss"][0])
 
 
 def test_the_normaliser_is_the_one_difference_in_a_whole_step(tmp_path, monkeypatch):
@@ -254,13 +364,13 @@ def test_the_normaliser_is_the_one_difference_in_a_whole_step(tmp_path, monkeypa
     batch = fixed_rollout(REWARDS, SEARCHES[2.5], UNEQUAL, OBSERVATIONS)
     d = displacement(batch)
     cfg = step_config(tmp_path)
-    run, _, (micro_batches,) = run_step(tmp_path, monkeypatch, cfg, batch, d)
+    run, _, minibatches = run_step(tmp_path, monkeypatch, cfg, batch, d)
     (ours,) = run.optimizer.seen
-    n_m = [batch.loss_mask[rows].sum().item() for rows in micro_batches]
+    n_m = [batch.loss_mask[rows].sum().item() for rows in minibatches[0]]
     assert n_m[0] != n_m[1]
-    _, theirs = authors_gradient(run, cfg, batch, d, micro_batches, [0.5, 0.5])
-    _, reweighted = authors_gradient(run, cfg, batch, d, micro_batches,
-                                     [n / sum(n_m) for n in n_m])
+    (theirs,) = authors_updates(cfg, batch, d, minibatches, run.ref)["grad"]
+    (reweighted,) = authors_updates(cfg, batch, d, minibatches, run.ref,
+                                    weights=[n / sum(n_m) for n in n_m])["grad"]
     assert_same(ours, reweighted)
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) < 0.999
 

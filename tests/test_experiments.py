@@ -28,3 +28,29 @@ def test_the_lab_pilot_regenerates_from_its_committed_runs(tmp_path):
               "--figure", str(tmp_path / "pilot.png"))
     assert "no cell qualifies: this small model does not spiral" in out
     assert (tmp_path / "pilot.png").stat().st_size > 10_000
+
+
+STUDIES = sorted(d.name for d in (ROOT / "experiments").iterdir() if (d / "README.md").exists())
+
+
+def test_every_study_is_listed_where_studies_are_listed():
+    assert {"spiral", "lr_map", "lld_study", "lab", "demo_seeds"} <= set(STUDIES)
+    index = (ROOT / "experiments" / "README.md").read_text()
+    results = (ROOT / "docs" / "results.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for study in STUDIES:
+        assert f"]({study}/README.md)" in index, f"experiments/README.md omits {study}"
+        assert f"](../experiments/{study}/README.md)" in results, f"docs/results.md omits {study}"
+        assert f"](experiments/{study}/README.md)" in readme, f"README.md omits {study}"
+
+
+def test_one_breakdown_rule_counts_every_study():
+    from experiments import breakdowns
+    counted = {folder.split("/")[0] for _, _, folder, _ in breakdowns.STUDIES}
+    assert counted == set(STUDIES) - {"demo_seeds"}         # the demo runs no GRPO-vs-LLDS arms
+    lld = breakdowns.counts(breakdowns.study_runs(
+        ROOT / "experiments/lld_study/compare", breakdowns.STUDIES[3][3]))
+    # by the one rule: plain GRPO seeds 2, 6, 8 and GRPO + LLDS seeds 3, 5, 8, 9; by the LLD
+    # study's entropy rule: plain GRPO seeds 0 and 9, none under LLDS
+    assert [(c["arm"], c["breakdowns"], c["onsets"], c["own"]) for c in lld] == [
+        ("grpo", 3, [11, 11, 20], 2), ("llds", 4, [14, 16, 19, 20], 0)]

@@ -43,3 +43,45 @@ def test_a_landed_run_ran_the_spiral_studys_training_path_and_setting(folder):
     assert config["llds"] == arm.startswith("llds")
     assert config["kl_coef"] == float(arm.partition("-kl")[2] or 0)
     assert config["steps"] == 15 and config["seed"] == int(seed)
+
+
+def test_wilson_interval_against_hand_worked_values():
+    from experiments.lr_map.lr_map import wilson
+    # 0 of 8: the upper end is z^2 / (n + z^2) = 3.8415 / 11.8415
+    assert wilson(0, 8) == pytest.approx((0.0, 0.324408), abs=1e-6)
+    # 4 of 8: (0.5 + z^2/16 -+ z sqrt(1/32 + z^2/256)) / (1 + z^2/8)
+    assert wilson(4, 8) == pytest.approx((0.215216, 0.784784), abs=1e-6)
+    assert wilson(20, 30) == pytest.approx((0.487801, 0.807695), abs=1e-6)
+
+
+def rows_of(means: dict, seeds=(0, 1, 2), em0=0.55) -> list[dict]:
+    """Hand-made runs: every seed of a cell at the cell's mean, so the bootstrap has no spread."""
+    return [{"arm": arm, "lr": lr, "seed": s, "em_final": em, "em_before": em0, "onset": None,
+             "warm_start": "w", "new": True, "finished": True, "run": f"{arm}-s{s}"}
+            for arm, by_lr in means.items() for lr, em in by_lr.items() for s in seeds]
+
+
+def test_sensitivity_is_the_mean_shortfall_from_the_best_cell_floored_at_the_warm_start():
+    from experiments.lr_map import lr_map
+    grid = lr_map.GRID                                 # 1e-5, 2e-5, 4e-5, 8e-5, 1.6e-4
+    rows = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
+                    "llds": dict(zip(grid, (0.6, 0.65, 0.6, 0.55, 0.4)))})
+    s = lr_map.sensitivity(rows, 0.55, resamples=200)
+    # grpo floored at 0.55: (0.6, 0.7, 0.55, 0.55, 0.55); EM* 0.7; shortfalls sum 0.55 over 5
+    assert s["grpo"]["S"] == pytest.approx(0.11) and s["llds"]["S"] == pytest.approx(0.06)
+    assert s["diff"]["S"] == pytest.approx(-0.05)
+    assert s["diff"]["interval"] == pytest.approx((-0.05, -0.05))
+    # an arm no learning rate lifts above the warm-start has nothing to be sensitive about
+    flat = rows_of({"grpo": dict.fromkeys(grid, 0.3), "llds": dict.fromkeys(grid, 0.5)})
+    assert lr_map.sensitivity(flat, 0.55, resamples=50)["grpo"]["S"] == 0.0
+    best = lr_map.best_lr(rows)
+    assert (best["grpo"]["lr"], best["llds"]["lr"]) == (2e-5, 2e-5)
+    assert best["grpo"]["diff"]["mean"] == pytest.approx(-0.05)
+    ranges = lr_map.trained_range(rows, 0.55)
+    assert ranges["grpo"]["above"] == [1e-5, 2e-5] and ranges["llds"]["above"] == [1e-5, 2e-5,
+                                                                                  4e-5]
+
+
+def test_learning_rates_are_spelled_as_the_folders_spell_them():
+    from experiments.lr_map.lr_map import format_lr
+    assert [format_lr(x) for x in (1e-5, 2e-5, 8e-5, 1.6e-4)] == ["1e-5", "2e-5", "8e-5", "1.6e-4"]

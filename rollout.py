@@ -311,7 +311,9 @@ class _Episode:
 
 def _parse_action(tokenizer, ids: list[int], eos: torch.Tensor) -> tuple[str | None, str | None]:
     """A turn's action: ("search", query), ("answer", text), ("eos", None) or (None, None). An empty
-    query is an invalid action; a very long one is cut to what Search-R1's servers accept."""
+    query is an invalid action; a very long one is cut to MAX_QUERY_CHARS, the most our retrieval
+    server accepts (Search-R1's server has no such limit; its encoder, like ours, reads a query's
+    first 256 tokens)."""
     match = _ACTION_RE.search(tokenizer.decode(ids))
     if match and (match.group(1) == "answer" or match.group(2).strip()):
         return match.group(1), match.group(2).strip()[:MAX_QUERY_CHARS]

@@ -137,7 +137,9 @@ def spiral_warning() -> str:
         f"Breakdowns warned {detector.LEAD} or more steps ahead, and runs without one warned: "
         f"{scored(design)} on its {len(design)} design runs; "
         + (f"{scored(held)} on the held-out runs{so_far}." if held else
-           "its held-out seeds have not run yet."))
+           "its held-out seeds have not run yet.")
+        + " `--no-spiral-warning` turns it off; a skipped update (non-finite gradient norm) is "
+          "reported apart.")
 
 
 def spiral_held_out() -> tuple[dict, list[dict]]:
@@ -148,11 +150,16 @@ def spiral_held_out() -> tuple[dict, list[dict]]:
 
 
 def results() -> str:
-    """The three results, each from its records: the demo's fresh clones, the LLD study's run
-    folders (experiments/lld_study/lld_study.py), the lab pilot's (experiments/lab/lab_study.py)."""
+    """Every study, strongest evidence first, each from its records: the spiral study's and the
+    learning-rate map's run folders, the LLD study's (experiments/lld_study/lld_study.py), the lab
+    pilot's (experiments/lab/lab_study.py), the demo's fresh clones; breakdowns by the one rule
+    (experiments/breakdowns.py) beside the older studies' own rules."""
+    from experiments import breakdowns
     from experiments.lab import lab_study
     from experiments.lld_study import lld_study
+    from experiments.spiral import spiral_study
 
+    spiral = spiral_study.outcome(spiral_study.study_rows(SPIRAL / "study"))
     demo = [r for r in records(DEMO_SEEDS) if r["commit"] in CURRENT]
     runs = [lld_study.run_summary(d) for d in sorted(STUDY.iterdir())
             if lld_study.NAME.search(d.name)]
@@ -160,6 +167,7 @@ def results() -> str:
     done = [r for r in runs if r["finished"]]
     arms = {arm: [r for r in done if r["arm"] == arm] for arm in lld_study.ARMS}
     collapsed = {arm: sum(r["collapse"] is not None for r in mine) for arm, mine in arms.items()}
+    broke = {c["arm"]: c["breakdowns"] for c in breakdowns.counts(breakdowns.study_runs(STUDY))}
     disp = lld_study.paired(done, lambda r: r["disp_sum"])
     em = [b - a for _, a, b in lld_study.paired(done, lambda r: r["em_final"])]
     mean, low, high = lld_study.bootstrap_mean(em)
@@ -167,25 +175,45 @@ def results() -> str:
                else "LLDS " + ("higher" if low > 0 else "lower"))
     cells = lab_study.pilot_cells(LAB_PILOT)
     lab = {k: sum(c[k] for c in cells) for k in ("finished", "learned", "collapsed")}
+    lab_broke = sum(c["breakdowns"] for c in breakdowns.counts(breakdowns.study_runs(LAB_PILOT)))
+    g, l, lr = spiral["grpo"], spiral["llds"], spiral["log_rank"]
     return "\n".join([
-        "| experiment | the question | the answer | details |", "|---|---|---|---|",
+        "| study | the question | the answer | details |", "|---|---|---|---|",
+        f"| the spiral study, `make spiral` (SmolLM2-135M warm-started, 15 steps at lr 8e-5, "
+        f"{g['runs']} seeds x 2 arms, pre-registered) | how often does plain GRPO break down, and "
+        f"GRPO + LLDS? | plain GRPO in {g['breakdowns']} of {g['runs']} runs, LLDS in "
+        f"{l['breakdowns']} of {l['runs']} (log-rank p = {lr['p']:.2g}); final EM, LLDS - GRPO "
+        f"{spiral['em_paired']['mean']:+.2f} [{spiral['em_paired']['low']:+.2f}, "
+        f"{spiral['em_paired']['high']:+.2f}] | [spiral](experiments/spiral/README.md) |",
+        f"| the learning-rate map, `make lr-map` (the spiral study's setting, 5 learning rates, "
+        f"the paper's KL; pre-registered) | what does LLDS buy over a lower learning rate or a "
+        f"KL term? | {lr_map_answer()} | [lr_map](experiments/lr_map/README.md) |",
+        f"| the LLD study, `make study` (earlier and smaller: {len(disp)} seeds x 2 arms, 20 steps "
+        f"at lr 5e-5, T = 0.7) | does LLDS stop GRPO's collapse, and change the outcome? | LLDS "
+        f"cut the correct responses' displacement in {sum(b < a for _, a, b in disp)} of "
+        f"{len(disp)} seeds; breakdowns by the spiral rule: plain GRPO {broke['grpo']} of "
+        f"{len(arms['grpo'])}, LLDS {broke['llds']} (its own entropy rule: {collapsed['grpo']} "
+        f"and {collapsed['llds']}); final EM: {outcome} (LLDS - GRPO {mean:+.2f} [{low:+.2f}, "
+        f"{high:+.2f}]) | [lld_study](experiments/lld_study/README.md) |",
+        f"| the LLD lab, `make lab-study` (~1M-parameter model, {lab['finished']} runs, "
+        f"pre-registered) | does a small warm-started agent spiral under plain GRPO? | "
+        f"{'no' if not lab['collapsed'] else 'in ' + str(lab['collapsed']) + ' runs'}: "
+        f"{lab['learned']} of {lab['finished']} learned, {lab['collapsed'] or 'none'} collapsed "
+        f"({lab_broke or 'none'} broke down by the spiral rule), so its LLDS study did not run | "
+        f"[lab](experiments/lab/README.md) |",
         f"| the CPU demo, `make train` | does it learn beyond noise? | "
         f"{'yes' if all(map(learned, demo)) else 'not on every seed'}: held-out EM rose on "
         f"seeds {seeds(demo)}, sign test p < 0.05 on {sum(map(learned, demo))} of {len(demo)} "
         f"(fresh clones, {', '.join(sorted({r['date'][:10] for r in demo}))}) | "
-        f"[benchmarks](docs/benchmarks.md) |",
-        f"| the LLD study, `make study` (SmolLM2-135M, {len(disp)} seeds x 2 arms) | does LLDS "
-        f"stop GRPO's collapse, and change the outcome? | LLDS cut the correct responses' "
-        f"displacement in {sum(b < a for _, a, b in disp)} of {len(disp)} seeds; plain GRPO "
-        f"collapsed in {collapsed['grpo']} of {len(arms['grpo'])} runs, LLDS in "
-        f"{collapsed['llds']}; final EM: {outcome} (LLDS - GRPO {mean:+.2f}, 95% interval "
-        f"[{low:+.2f}, {high:+.2f}]) | [lld_study](experiments/lld_study/README.md) |",
-        f"| the LLD lab, `make lab-study` (~1M-parameter model, {lab['finished']} runs, "
-        f"pre-registered) | does a small warm-started agent spiral under plain GRPO? | "
-        f"{'no' if not lab['collapsed'] else 'in ' + str(lab['collapsed']) + ' runs'}: "
-        f"{lab['learned']} of {lab['finished']} learned, {lab['collapsed'] or 'none'} collapsed, "
-        f"so its LLDS study did not run | [lab](experiments/lab/README.md) |"])
+        f"[demo_seeds](experiments/demo_seeds/README.md) |"])
 
+
+def lr_map_answer() -> str:
+    """The learning-rate map's answer as far as it has run (experiments/lr_map/lr_map.py)."""
+    from experiments.lr_map import lr_map, map_runs
+    landed = [r for r in lr_map.map_rows() if r["new"]]
+    return lr_map.answer(lr_map.map_rows()) if len(landed) == len(map_runs.queue()) else (
+        f"running: {len(landed)} of its {len(map_runs.queue())} runs have landed")
 
 
 def spiral_pilot() -> str:
@@ -224,38 +252,72 @@ def spiral_detector() -> str:
 
 
 def spiral_result() -> str:
-    """The spiral study in two sentences and its figure (experiments/spiral/), as far as it ran."""
+    """The spiral study in two sentences and its figure (experiments/spiral/), then the
+    learning-rate map's answer as far as it has run (experiments/lr_map/)."""
     from experiments.spiral import spiral_study
-    if not (SPIRAL / "study").is_dir():
-        return wrap("**The spiral, counted** ([experiments/spiral](experiments/spiral/README.md), "
-                    "pre-registered): plain GRPO against GRPO + LLDS over 30 seeds each, as "
-                    "survival curves; no counted seed has finished yet.")
     rows = spiral_study.study_rows(SPIRAL / "study")
     result = spiral_study.outcome(rows)
     arms = {arm: result.get(arm, {"runs": 0, "breakdowns": 0}) for arm in spiral_study.ARMS}
-    planned = "" if min(a["runs"] for a in arms.values()) >= 30 else " planned"
-    text = (f"**The spiral, counted** over 30 seeds an arm{planned} ([pre-registered]"
-            f"(experiments/spiral/README.md)): plain GRPO broke down in "
-            f"{arms['grpo']['breakdowns']} of {arms['grpo']['runs']} runs, GRPO + LLDS in "
-            f"{arms['llds']['breakdowns']} of {arms['llds']['runs']}")
-    if "fisher_p" in result:
-        text += (f" (Fisher's p = {result['fisher_p']:.2g}, log-rank p = "
-                 f"{result['log_rank']['p']:.2g})")
+    text = (f"**The spiral, counted** ([pre-registered](experiments/spiral/README.md)): "
+            f"SmolLM2-135M, warm-started to search, then 15 steps of GRPO at lr 8e-5 with the "
+            f"paper's group size and temperature, {arms['grpo']['runs']} seeds an arm. Plain GRPO "
+            f"broke down in {arms['grpo']['breakdowns']} of {arms['grpo']['runs']} runs, GRPO + "
+            f"LLDS in {arms['llds']['breakdowns']} of {arms['llds']['runs']} (Fisher's p = "
+            f"{result['fisher_p']:.2g}, log-rank p = {result['log_rank']['p']:.2g})")
     if 0 < arms["llds"]["breakdowns"] < arms["grpo"]["breakdowns"]:
         text += ": rarer, not prevented"
-    em = result.get("em_paired")
-    if em:
-        text += (f". Final held-out EM, LLDS - GRPO by seed: {em['mean']:+.2f} "
-                 f"[{em['low']:+.2f}, {em['high']:+.2f}]")
+    em = result["em_paired"]
+    text += (f"; final held-out EM, LLDS - GRPO by seed: {em['mean']:+.2f} "
+             f"[{em['low']:+.2f}, {em['high']:+.2f}]. ")
+    text += (f"**What that buys over a lower learning rate or the paper's KL term**: [the "
+             f"learning-rate map](experiments/lr_map/README.md), {lr_map_answer()}.")
     return ("![survival curves of plain GRPO and GRPO + LLDS](experiments/spiral/survival.png)"
-            "\n\n" + wrap(text + "."))
+            "\n\n" + wrap(text))
+
+
+def lr_map_cells() -> str:
+    """The map's figure, its table of cells and what its runs cost (experiments/lr_map/lr_map.py)."""
+    from experiments.lr_map import lr_map, map_runs
+    from experiments.spiral import spiral_study
+    rows = lr_map.map_rows()
+    new = [r for r in rows if r["new"]]
+    builds = ", ".join(sorted({r["warm_start"][:8] for r in new if r["warm_start"]})) or "-"
+    return "\n".join(["![final held-out EM against the learning rate](map.png)", "",
+                      *lr_map.cell_table(rows), "",
+                      f"Runs landed: {len(new)} of the {len(map_runs.queue())} registered. "
+                      + spiral_study.cost(new) + f" Warm-start builds (sha256): {builds}."])
+
+
+def lr_map_answers() -> str:
+    """The map's sensitivity, best learning rates, ranges and KL comparison, and its answers in
+    words once every registered run has landed."""
+    from experiments.lr_map import lr_map
+    rows = lr_map.map_rows()
+    return "\n".join(lr_map.summary_lines(rows) + ["", wrap(f"**In words**: {lr_map_answer()}")])
+
+
+def lr_map_warning() -> str:
+    from experiments.lr_map import lr_map
+    return "\n".join(lr_map.warning_table(lr_map.map_rows()))
+
+
+def breakdowns_table(only: str | None = None):
+    """Every study's breakdowns by the one rule, beside its own rule (experiments/breakdowns.py)."""
+    from experiments import breakdowns
+    return lambda: "\n".join(breakdowns.table(only=only))
 
 
 BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results,
           "spiral-result": spiral_result}
 PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
     "spiral-pilot": spiral_pilot, "spiral-outcome": spiral_outcome,
-    "spiral-detector": spiral_detector}}
+    "spiral-detector": spiral_detector},
+    "experiments/lr_map/README.md": {"lr-map-cells": lr_map_cells,
+                                     "lr-map-answers": lr_map_answers,
+                                     "lr-map-warning": lr_map_warning},
+    "docs/results.md": {"breakdowns": breakdowns_table()},
+    "experiments/lld_study/README.md": {"breakdowns": breakdowns_table("lld_study/compare")},
+    "experiments/lab/README.md": {"breakdowns": breakdowns_table("lab/pilot")}}
 
 
 def render(text: str, page: str = "README.md") -> str:

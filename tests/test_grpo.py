@@ -24,6 +24,13 @@ def test_group_advantages_by_hand_ties_exactly_zero():
     assert adv[0].item() == pytest.approx(((1 - g0.mean()) / (g0.std() + 1e-6)).item())
 
 
+def test_the_worked_group_of_docs_method():
+    # docs/method.md section 5: 3 of 8 right, mean 0.375, std sqrt(15/56) = 0.5175
+    adv = group_advantages(torch.tensor([0., 0, 1, 0, 0, 1, 1, 0]), 8)
+    assert adv[2].item() == pytest.approx(1.208, abs=5e-4)
+    assert adv[0].item() == pytest.approx(-0.725, abs=5e-4)
+
+
 def test_group_advantages_exact_zero_for_non_binary_ties():
     # 0.1 * 3 / 3 != 0.1 in float32: a plain (r - mean) / (std + 1e-6) gives ~1e-2 noise.
     assert torch.equal(group_advantages(torch.full((6,), 0.1), 3), torch.zeros(6))

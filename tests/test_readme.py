@@ -27,10 +27,14 @@ EXTERNAL = {"ray_trainer.py"}                          # other projects' files n
 
 
 def named_paths(text: str) -> set[str]:
-    """Links `](x)` and repository paths written in backticks."""
-    links = {l for l in re.findall(r"\]\(([^)#\s]+)\)", text) if not l.startswith("http")}
+    """Repository paths written in backticks."""
     code = " ".join(re.findall(r"`([^`]+)`", text))
-    return links | {p.split(":")[0].rstrip(".") for p in PATH.findall(code)}
+    return {p.split(":")[0].rstrip(".") for p in PATH.findall(code)}
+
+
+def links(text: str) -> set[str]:
+    """Relative links `](x)`: a reader's browser resolves them from the page alone."""
+    return {l for l in re.findall(r"\]\(([^)#\s]+)\)", text) if not l.startswith("http")}
 
 
 def missing_paths(paths, base: Path) -> list[str]:
@@ -39,10 +43,12 @@ def missing_paths(paths, base: Path) -> list[str]:
                   and not any((ROOT / d / path).exists() for d in DIRS))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_named_file_exists(page):
     missing = missing_paths(named_paths(page.read_text()), page.parent)
     assert not missing, f"{page.name} names files that do not exist: {missing}"
+    broken = sorted(l for l in links(page.read_text()) if not (page.parent / l).exists())
+    assert not broken, f"{page.name} links to files that are not there from it: {broken}"
 
 
 @pytest.mark.parametrize("name", ["Makefile", "requirements.txt", "requirements-test.txt",

@@ -196,8 +196,13 @@ def spans(seeds: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+# Pilot runs started and lost with their machine, not rerun (prereg.md §9): no folder holds them.
+LOST = {"lr8e-5-s15": [1002, 1003]}
+
+
 def pilot_table(pilot: Path) -> list[str]:
-    """One row per pilot cell (plain GRPO only): its runs and their breakdowns' onsets."""
+    """One row per pilot cell (plain GRPO only): its runs, those lost (LOST), and their breakdowns'
+    onsets."""
     lines = ["| learning rate | steps | runs finished / started | broke down | onsets (seed: step) |",
              "|---|---|---|---|---|"]
     cells = sorted((d for d in pilot.iterdir() if d.is_dir()),
@@ -207,8 +212,10 @@ def pilot_table(pilot: Path) -> list[str]:
         rows = study_rows(cell)
         done = [r for r in rows if r["finished"]]
         lr, steps = cell.name.removeprefix("lr").split("-s")
-        onsets = ", ".join(f"{r['seed']}: {show(r['onset'])}" for r in rows)
-        lines.append(f"| {lr} | {steps} | {len(done)} / {len(rows)} | "
+        lost = LOST.get(cell.name, [])
+        onsets = ", ".join([f"{r['seed']}: {show(r['onset'])}" for r in rows]
+                           + [f"{seed}: lost" for seed in lost])
+        lines.append(f"| {lr} | {steps} | {len(done)} / {len(rows) + len(lost)} | "
                      f"{sum(r['onset'] is not None for r in done)} of {len(done)} | {onsets} |")
     return lines
 

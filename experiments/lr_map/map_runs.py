@@ -11,8 +11,9 @@ spiral study's share one training path: its warm-start (built once a machine by 
 `train.py <SETTING> <arm's flags> --model <warm-start> --lr L --steps 15 --seed N --resume`, one
 thread each, two side by side; the next run starts as soon as one ends. A finished run's small
 files (metrics.jsonl, config.json, machine.json, and run.json: both commits and the warm-start's
-hash) land in experiments/lr_map/runs/lr<L>/<arm>-s<seed>/, `--commit` commits that folder alone,
-and the run's checkpoints and export are deleted then (about 1.5 GiB a run). A killed run
+hash) land in experiments/lr_map/runs/lr<L>/<arm>-s<seed>/; `--commit` commits that folder with the
+pages and figure it changes (rendered by the committed code, never the checkout's unfinished
+edits), and the run's checkpoints and export are deleted then (about 1.5 GiB a run). A killed run
 continues from its last checkpoint; a landed one is skipped.
 """
 import argparse
@@ -22,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +42,9 @@ KL_LR, KL_ARMS = "8e-5", ("grpo-kl0.001", "grpo-kl0.04", "llds-kl0.001")    # se
 # Four rounds, each a balanced map (prereg.md §4): the lr cells' seeds, then the KL cells' seeds.
 ROUNDS = (((0, 1), (0, 1)), ((2, 3), (2, 3, 4)), ((4, 5), (5, 6, 7)), ((6, 7), (8, 9)))
 SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
+# What a landed run changes, rendered again before its commit: the map's figure, then every page.
+RENDER = (["experiments/lr_map/lr_map.py", "--figure", "experiments/lr_map/map.png"],
+          ["docs/readme_numbers.py"])
 
 
 def queue() -> list[tuple[str, str, int]]:
@@ -102,23 +107,46 @@ def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit
     return f"{landed}: finished"
 
 
-def git_head(repo: Path) -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
-                          text=True).stdout.strip()
-
-
 def commit_folder(repo: Path, folder: Path, message: str) -> None:
-    """The landed run folder alone, committed; retried while another git command holds the
-    index. Nothing else in the checkout is touched."""
+    """The landed run folder and the pages and figure it changes, committed to the checked-out
+    branch: rendered (RENDER) by the committed code in a scratch worktree of HEAD, so that an
+    unfinished edit in the checkout is never committed and the committed pages always match the
+    committed runs. A page the checkout has not edited follows the new commit; one it has edited
+    keeps the edit (`make docs` renders it again). Retried while HEAD moves under it."""
+    rel = folder.relative_to(repo)
     for _ in range(30):
-        add = subprocess.run(["git", "add", str(folder)], cwd=repo, capture_output=True)
-        done = add.returncode == 0 and subprocess.run(
-            ["git", "commit", "-q", "-m", message, "--", str(folder)], cwd=repo,
-            capture_output=True).returncode == 0
-        if done:
+        old = git(repo, "rev-parse", "HEAD")
+        scratch = Path(tempfile.mkdtemp(prefix="lr-map-landing-"))
+        try:
+            git(repo, "worktree", "add", "-q", "--detach", str(scratch), old)
+            shutil.copytree(folder, scratch / rel, dirs_exist_ok=True)
+            for cmd in RENDER:
+                subprocess.run([PY, *cmd], cwd=scratch, capture_output=True)
+            git(scratch, "add", "-A")
+            git(scratch, "commit", "-q", "-m", message)
+            new = git(scratch, "rev-parse", "HEAD")
+            changed = git(scratch, "diff", "--name-only", old, new).split()
+            branch = git(repo, "symbolic-ref", "HEAD")
+            moved = subprocess.run(["git", "update-ref", branch, new, old], cwd=repo,
+                                   capture_output=True).returncode
+        except subprocess.CalledProcessError:
+            moved = 1
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(scratch)], cwd=repo,
+                           capture_output=True)
+        if moved == 0:
+            untouched = [p for p in changed if not git(repo, "diff", "--name-only", old, "--", p)]
+            git(repo, "reset", "-q", "--", *changed)
+            if untouched:
+                git(repo, "checkout", "-q", "--", *untouched)
             return
         time.sleep(10)
     print(f"warning: could not commit {folder}; commit it by hand", flush=True)
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def main() -> None:
@@ -136,7 +164,7 @@ def main() -> None:
             done = (landed_folder(dest, lr, arm, seed) / "run.json").exists()
             print(f"lr {lr:>6}  {arm:<13} seed {seed}{'  (landed)' if done else ''}")
         return
-    reg, head = registered_runner(Path(args.worktree)), git_head(ROOT)
+    reg, head = registered_runner(Path(args.worktree)), git(ROOT, "rev-parse", "HEAD")
     model = reg.sft()
     with ThreadPoolExecutor(args.jobs) as pool:
         for line in pool.map(lambda r: train_run(reg, model, dest, *r, args.commit, head), runs):

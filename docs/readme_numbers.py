@@ -213,7 +213,7 @@ def lr_map_answer() -> str:
     from experiments.lr_map import lr_map, map_runs
     landed = [r for r in lr_map.map_rows() if r["new"]]
     return lr_map.answer(lr_map.map_rows()) if len(landed) == len(map_runs.queue()) else (
-        f"running: {len(landed)} of its {len(map_runs.queue())} runs have landed")
+        f"not yet measured ({len(landed)} of the map's {len(map_runs.queue())} runs have landed)")
 
 
 def spiral_pilot() -> str:
@@ -269,14 +269,14 @@ def spiral_result() -> str:
     em = result["em_paired"]
     text += (f"; final held-out EM, LLDS - GRPO by seed: {em['mean']:+.2f} "
              f"[{em['low']:+.2f}, {em['high']:+.2f}]. ")
-    text += (f"**What that buys over a lower learning rate or the paper's KL term**: [the "
-             f"learning-rate map](experiments/lr_map/README.md), {lr_map_answer()}.")
+    text += (f"**What that buys over a lower learning rate or the paper's KL term** ([the "
+             f"learning-rate map](experiments/lr_map/README.md)): {lr_map_answer()}.")
     return ("![survival curves of plain GRPO and GRPO + LLDS](experiments/spiral/survival.png)"
             "\n\n" + wrap(text))
 
 
 def lr_map_cells() -> str:
-    """The map's figure, its table of cells and what its runs cost (experiments/lr_map/lr_map.py)."""
+    """The map's figure, its table of cells and its runs' cost (experiments/lr_map/lr_map.py)."""
     from experiments.lr_map import lr_map, map_runs
     from experiments.spiral import spiral_study
     rows = lr_map.map_rows()
@@ -293,7 +293,7 @@ def lr_map_answers() -> str:
     words once every registered run has landed."""
     from experiments.lr_map import lr_map
     rows = lr_map.map_rows()
-    return "\n".join(lr_map.summary_lines(rows) + ["", wrap(f"**In words**: {lr_map_answer()}")])
+    return "\n".join(lr_map.summary_lines(rows) + ["", wrap(f"**In words**: {lr_map_answer()}.")])
 
 
 def lr_map_warning() -> str:

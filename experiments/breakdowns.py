@@ -1,6 +1,6 @@
 """One breakdown rule for every study's committed runs, beside each older study's own rule.
 
-    .venv/bin/python experiments/breakdowns.py       # every study's counts, cell by cell and arm by arm
+    .venv/bin/python experiments/breakdowns.py       # every study's counts, by cell and arm
 
 The rule is the spiral study's (experiments/spiral/prereg.md §5, `spiral_study.breakdown_onset`):
 R(s) is the mean training reward over steps s-2..s and B(s) the best R of the windows that end

@@ -1,6 +1,6 @@
 """The learning-rate x method map's tables and figure, from committed run folders alone (prereg.md).
 
-    make lr-map    # = .venv/bin/python experiments/lr_map/lr_map.py --figure experiments/lr_map/map.png
+    make lr-map    # lr_map.py --figure experiments/lr_map/map.png
 
 The cells: experiments/lr_map/runs/lr<L>/<arm>-s<seed>/, and the spiral study's runs
 (experiments/spiral/study/) as the 8e-5 cells of plain GRPO and GRPO + LLDS. Breakdown: the spiral
@@ -221,23 +221,23 @@ def cell_table(rows: list[dict]) -> list[str]:
 def summary_lines(rows: list[dict]) -> list[str]:
     """Sensitivity, best learning rates, ranges and the KL comparison, as lines of text."""
     em0 = warm_start_em(rows)
-    lines = [f"EM_0 (the warm-start's held-out EM): {em0:.2f}", ""]
+    lines = [f"- EM_0 (the warm-start's held-out EM): {em0:.2f}"]
     sens = sensitivity(rows, em0)
     if sens:
         lrs = ", ".join(map(format_lr, sens["lrs"]))
-        lines.append(f"Learning-rate sensitivity S over lr {lrs} (lower is less sensitive): " +
+        lines.append(f"- learning-rate sensitivity S over lr {lrs} (lower is less sensitive): " +
                      "; ".join(f"{NAMES[a]} {sens[a]['S']:.3f} [{sens[a]['interval'][0]:.3f}, "
                                f"{sens[a]['interval'][1]:.3f}]" for a in LINES) +
                      f"; LLDS - GRPO {sens['diff']['S']:+.3f} [{sens['diff']['interval'][0]:+.3f},"
                      f" {sens['diff']['interval'][1]:+.3f}] (95% bootstrap)")
     for arm, b in best_lr(rows).items():
-        lines.append(f"{NAMES[arm]}'s best lr {format_lr(b['lr'])} (mean final EM {b['em']:.2f});"
+        lines.append(f"- {NAMES[arm]}'s best lr {format_lr(b['lr'])} (mean final EM {b['em']:.2f});"
                      f" there LLDS - GRPO paired over {b['diff']['pairs']} seeds: "
                      f"{b['diff']['mean']:+.3f} [{b['diff']['low']:+.3f}, {b['diff']['high']:+.3f}]"
-                     if b["diff"] else f"{NAMES[arm]}'s best lr {format_lr(b['lr'])}")
+                     if b["diff"] else f"- {NAMES[arm]}'s best lr {format_lr(b['lr'])}")
     for arm, r in trained_range(rows, em0).items():
-        lines.append(f"{NAMES[arm]}: no breakdown at lr {lr_list(r['calm'])}; mean final EM above "
-                     f"EM_0 at lr {lr_list(r['above'])} (of {lr_list(r['run'])})")
+        lines.append(f"- {NAMES[arm]}: no breakdown at lr {lr_list(r['calm'])}; mean final EM "
+                     f"above EM_0 at lr {lr_list(r['above'])} (of {lr_list(r['run'])})")
     kl = kl_comparison(rows)
     if kl:
         lines += ["", "| at lr 8e-5 | against | breakdowns | Fisher's p | final EM difference, "

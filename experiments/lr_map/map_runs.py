@@ -64,7 +64,7 @@ def registered_runner(worktree: Path):
     """The registering commit's experiments/spiral/spiral_runs.py (SETTING, sft, sha256, finished),
     loaded from its worktree, which is made here when missing."""
     if not worktree.exists():
-        subprocess.run(["git", "worktree", "add", str(worktree), TRAIN_COMMIT], cwd=ROOT, check=True)
+        git(ROOT, "worktree", "add", str(worktree), TRAIN_COMMIT)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=worktree, capture_output=True,
                           text=True, check=True).stdout.strip()
     if head != TRAIN_COMMIT:

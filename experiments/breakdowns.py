@@ -9,6 +9,7 @@ R never again exceeds 0.75 B(s). Before it, the LLD study counted a *collapse* b
 (experiments/lld_study/lld_table.py) and the LLD lab by a held-out EM rule
 (experiments/lab/lab_study.py); their counts stay beside this one, not instead of it.
 """
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -90,4 +91,5 @@ def table(root: Path = HERE, only: str | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     print("\n".join(table()))

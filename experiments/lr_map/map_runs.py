@@ -17,19 +17,17 @@ edits), and the run's checkpoints and export are deleted then (about 1.5 GiB a r
 continues from its last checkpoint; a landed one is skipped.
 """
 import argparse
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.landing import PY, ROOT, commit_folder, git, registered_runner  # noqa: E402
+
 TRAIN_COMMIT = "dd7ab09ef48fa172d248ea8198c16e8c03647cec"    # the spiral study's registering commit
 STEPS = "15"
 # Each arm's flags after SETTING (whose --kl-coef 0 comes first; argparse keeps the last).
@@ -60,22 +58,6 @@ def landed_folder(dest: Path, lr: str, arm: str, seed: int) -> Path:
     return dest / "experiments" / "lr_map" / "runs" / f"lr{lr}" / f"{arm}-s{seed}"
 
 
-def registered_runner(worktree: Path):
-    """The registering commit's experiments/spiral/spiral_runs.py (SETTING, sft, sha256, finished),
-    loaded from its worktree, which is made here when missing."""
-    if not worktree.exists():
-        git(ROOT, "worktree", "add", str(worktree), TRAIN_COMMIT)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=worktree, capture_output=True,
-                          text=True, check=True).stdout.strip()
-    if head != TRAIN_COMMIT:
-        raise SystemExit(f"error: {worktree} is at {head}, not {TRAIN_COMMIT}")
-    path = worktree / "experiments" / "spiral" / "spiral_runs.py"
-    spec = importlib.util.spec_from_file_location("registered_spiral_runs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit: bool,
               runner_commit: str) -> str:
     """One run to its end (resumed if it was killed), landed, committed, its checkpoints deleted."""
@@ -101,52 +83,10 @@ def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit
         "train_commit": TRAIN_COMMIT, "runner_commit": runner_commit,
         "sft_sha256": reg.sha256(model), "log": str(log)}) + "\n")
     if commit:
-        commit_folder(dest, landed, f"lr map: lr{lr}/{name} finished")
+        commit_folder(dest, landed, f"lr map: lr{lr}/{name} finished", RENDER)
     for heavy in [*(out_dir / name).glob("ckpt-*"), out_dir / name / "model-bf16"]:
         shutil.rmtree(heavy, ignore_errors=True)
     return f"{landed}: finished"
-
-
-def commit_folder(repo: Path, folder: Path, message: str) -> None:
-    """The landed run folder and the pages and figure it changes, committed to the checked-out
-    branch: rendered (RENDER) by the committed code in a scratch worktree of HEAD, so that an
-    unfinished edit in the checkout is never committed and the committed pages always match the
-    committed runs. A page the checkout has not edited follows the new commit; one it has edited
-    keeps the edit (`make docs` renders it again). Retried while HEAD moves under it."""
-    rel = folder.relative_to(repo)
-    for _ in range(30):
-        old = git(repo, "rev-parse", "HEAD")
-        scratch = Path(tempfile.mkdtemp(prefix="lr-map-landing-"))
-        try:
-            git(repo, "worktree", "add", "-q", "--detach", str(scratch), old)
-            shutil.copytree(folder, scratch / rel, dirs_exist_ok=True)
-            for cmd in RENDER:
-                subprocess.run([PY, *cmd], cwd=scratch, capture_output=True)
-            git(scratch, "add", "-A")
-            git(scratch, "commit", "-q", "-m", message)
-            new = git(scratch, "rev-parse", "HEAD")
-            changed = git(scratch, "diff", "--name-only", old, new).split()
-            branch = git(repo, "symbolic-ref", "HEAD")
-            moved = subprocess.run(["git", "update-ref", branch, new, old], cwd=repo,
-                                   capture_output=True).returncode
-        except subprocess.CalledProcessError:
-            moved = 1
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(scratch)], cwd=repo,
-                           capture_output=True)
-        if moved == 0:
-            untouched = [p for p in changed if not git(repo, "diff", "--name-only", old, "--", p)]
-            git(repo, "reset", "-q", "--", *changed)
-            if untouched:
-                git(repo, "checkout", "-q", "--", *untouched)
-            return
-        time.sleep(10)
-    print(f"warning: could not commit {folder}; commit it by hand", flush=True)
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                          check=True).stdout.strip()
 
 
 def main() -> None:
@@ -164,7 +104,8 @@ def main() -> None:
             done = (landed_folder(dest, lr, arm, seed) / "run.json").exists()
             print(f"lr {lr:>6}  {arm:<13} seed {seed}{'  (landed)' if done else ''}")
         return
-    reg, head = registered_runner(Path(args.worktree)), git(ROOT, "rev-parse", "HEAD")
+    reg = registered_runner(Path(args.worktree), TRAIN_COMMIT)
+    head = git(ROOT, "rev-parse", "HEAD")
     model = reg.sft()
     with ThreadPoolExecutor(args.jobs) as pool:
         for line in pool.map(lambda r: train_run(reg, model, dest, *r, args.commit, head), runs):

@@ -1,0 +1,74 @@
+"""Run bookkeeping the pre-registered studies share: the registered training code, run from a
+worktree of its commit, and a finished run landed in the main checkout, committed with the pages
+and figures it changes.
+
+A landing is rendered by the committed code in a scratch worktree of HEAD, never in the checkout
+itself, so that an unfinished edit there is never committed and the committed pages always match
+the committed runs (tests/test_readme.py fails where they do not).
+"""
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def registered_runner(worktree: Path, commit: str):
+    """The registering commit's experiments/spiral/spiral_runs.py (SETTING, sft, sha256, finished),
+    loaded from its worktree, which is made here when missing."""
+    if not worktree.exists():
+        git(ROOT, "worktree", "add", str(worktree), commit)
+    head = git(worktree, "rev-parse", "HEAD")
+    if head != commit:
+        raise SystemExit(f"error: {worktree} is at {head}, not {commit}")
+    path = worktree / "experiments" / "spiral" / "spiral_runs.py"
+    spec = importlib.util.spec_from_file_location("registered_spiral_runs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def commit_folder(repo: Path, folder: Path, message: str, render: list[list[str]]) -> None:
+    """The landed run folder and the pages and figures it changes (each of `render` a script and
+    its arguments, run in the scratch worktree), committed to the checked-out branch. A page the
+    checkout has not edited follows the new commit; one it has edited keeps the edit (`make docs`
+    renders it again). Retried while HEAD moves under it."""
+    rel = folder.relative_to(repo)
+    for _ in range(30):
+        old = git(repo, "rev-parse", "HEAD")
+        scratch = Path(tempfile.mkdtemp(prefix="landing-"))
+        try:
+            git(repo, "worktree", "add", "-q", "--detach", str(scratch), old)
+            shutil.copytree(folder, scratch / rel, dirs_exist_ok=True)
+            for cmd in render:
+                subprocess.run([PY, *cmd], cwd=scratch, capture_output=True)
+            git(scratch, "add", "-A")
+            git(scratch, "commit", "-q", "-m", message)
+            new = git(scratch, "rev-parse", "HEAD")
+            changed = git(scratch, "diff", "--name-only", old, new).split()
+            branch = git(repo, "symbolic-ref", "HEAD")
+            moved = subprocess.run(["git", "update-ref", branch, new, old], cwd=repo,
+                                   capture_output=True).returncode
+        except subprocess.CalledProcessError:
+            moved = 1
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(scratch)], cwd=repo,
+                           capture_output=True)
+        if moved == 0:
+            untouched = [p for p in changed if not git(repo, "diff", "--name-only", old, "--", p)]
+            git(repo, "reset", "-q", "--", *changed)
+            if untouched:
+                git(repo, "checkout", "-q", "--", *untouched)
+            return
+        time.sleep(10)
+    print(f"warning: could not commit {folder}; commit it by hand", flush=True)
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout.strip()

@@ -301,6 +301,12 @@ def lr_map_warning() -> str:
     return "\n".join(lr_map.warning_table(lr_map.map_rows()))
 
 
+def late_pilot() -> str:
+    """The late spiral's pilot, run by run (experiments/late_spiral/late_study.py)."""
+    from experiments.late_spiral import late_study
+    return "\n".join(late_study.pilot_table())
+
+
 def breakdowns_table(only: str | None = None):
     """Every study's breakdowns by the one rule, beside its own rule (experiments/breakdowns.py)."""
     from experiments import breakdowns
@@ -317,7 +323,8 @@ PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
                                      "lr-map-warning": lr_map_warning},
     "docs/results.md": {"breakdowns": breakdowns_table()},
     "experiments/lld_study/README.md": {"breakdowns": breakdowns_table("lld_study/compare")},
-    "experiments/lab/README.md": {"breakdowns": breakdowns_table("lab/pilot")}}
+    "experiments/lab/README.md": {"breakdowns": breakdowns_table("lab/pilot")},
+    "experiments/late_spiral/README.md": {"late-pilot": late_pilot}}
 
 
 def render(text: str, page: str = "README.md") -> str:

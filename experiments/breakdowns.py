@@ -29,6 +29,7 @@ STUDIES = (
     ("the spiral study", "spiral", "spiral/study", None),
     ("the spiral study's pilot", "spiral", "spiral/pilot", None),
     ("the learning-rate map", "lr_map", "lr_map/runs", None),
+    ("the late spiral's pilot", "late_spiral", "late_spiral/pilot", None),
     ("the LLD study", "lld_study", "lld_study/compare",
      ("entropy rule", lambda d: lld_study.run_summary(d)["collapse"])),
     ("the LLD lab's pilot", "lab", "lab/pilot",

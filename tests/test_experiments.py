@@ -34,23 +34,36 @@ STUDIES = sorted(d.name for d in (ROOT / "experiments").iterdir() if (d / "READM
 
 
 def test_every_study_is_listed_where_studies_are_listed():
-    assert {"spiral", "lr_map", "lld_study", "lab", "demo_seeds"} <= set(STUDIES)
+    assert {"spiral", "lr_map", "late_spiral", "lld_study", "lab", "demo_seeds"} <= set(STUDIES)
     index = (ROOT / "experiments" / "README.md").read_text()
     results = (ROOT / "docs" / "results.md").read_text()
-    readme = (ROOT / "README.md").read_text()
     for study in STUDIES:
         assert f"]({study}/README.md)" in index, f"experiments/README.md omits {study}"
         assert f"](../experiments/{study}/README.md)" in results, f"docs/results.md omits {study}"
-        assert f"](experiments/{study}/README.md)" in readme, f"README.md omits {study}"
 
 
 def test_one_breakdown_rule_counts_every_study():
     from experiments import breakdowns
     counted = {folder.split("/")[0] for _, _, folder, _ in breakdowns.STUDIES}
-    assert counted == set(STUDIES) - {"demo_seeds"}         # the demo runs no GRPO-vs-LLDS arms
-    lld = breakdowns.counts(breakdowns.study_runs(
-        ROOT / "experiments/lld_study/compare", breakdowns.STUDIES[3][3]))
+    assert counted == set(STUDIES) - {"demo_seeds"}         # the demo has no arms to count
+    own = next(own for _, _, folder, own in breakdowns.STUDIES if folder == "lld_study/compare")
+    lld = breakdowns.counts(breakdowns.study_runs(ROOT / "experiments/lld_study/compare", own))
     # by the one rule: plain GRPO seeds 2, 6, 8 and GRPO + LLDS seeds 3, 5, 8, 9; by the LLD
     # study's entropy rule: plain GRPO seeds 0 and 9, none under LLDS
     assert [(c["arm"], c["breakdowns"], c["onsets"], c["own"]) for c in lld] == [
         ("grpo", 3, [11, 11, 20], 2), ("llds", 4, [14, 16, 19, 20], 0)]
+
+
+def test_learned_first_needs_a_window_above_the_first_before_the_onset():
+    from experiments.late_spiral.late_study import learned_first
+    from experiments.spiral.spiral_study import breakdown_onset
+
+    def steps_of(rewards):
+        return [{"step": s, "reward": r} for s, r in enumerate(rewards, 1)]
+    # R(3) = 0.4; R rises to 0.6, then falls to 0: learned first, onset 13 (R(13) = 0.2 <= 0.3)
+    late = steps_of([0.4] * 3 + [0.6] * 8 + [0.0] * 9)
+    assert breakdown_onset(late) == 13 and learned_first(late, 13)
+    # the same fall from the warm-start's level, never above R(3): not learned first
+    flat = steps_of([0.4] * 11 + [0.0] * 9)
+    assert breakdown_onset(flat) == 13 and not learned_first(flat, 13)
+    assert not learned_first(late, None)

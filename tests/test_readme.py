@@ -78,7 +78,8 @@ SCRIPTS = ["train.py", "eval.py", "retriever.py", "data.py", "ask.py", "sft.py",
            "experiments/lab/lab_runs.py",
            "experiments/lab/lab_study.py", "experiments/demo_seeds/demo_seeds.py",
            "experiments/lr_map/lr_map.py", "experiments/lr_map/map_runs.py",
-           "experiments/breakdowns.py",
+           "experiments/breakdowns.py", "experiments/late_spiral/late_runs.py",
+           "experiments/late_spiral/late_study.py",
            "bench/same_run.py", "bench/bench_llds.py", "bench/bench_rollout.py",
            "bench/bench_retriever.py", "bench/bench_decode.py", "docs/readme_numbers.py"]
 

@@ -112,10 +112,9 @@ def sensitivity(rows: list[dict], em0: float, resamples: int = RESAMPLES, seed: 
             boot[arm].append(values[draw].mean(1))
     result = {"lrs": list(grid), "em0": em0}
     for arm in LINES:
-        s, b = sensitivity_of(np.array(point[arm]), em0), sensitivity_of(np.stack(boot[arm], 1),
-                                                                          em0)
-        result[arm] = {"S": float(s), "interval": tuple(np.percentile(b, [2.5, 97.5]))}
-        boot[arm] = b
+        boot[arm] = sensitivity_of(np.stack(boot[arm], 1), em0)          # (resamples,)
+        result[arm] = {"S": float(sensitivity_of(np.array(point[arm]), em0)),
+                       "interval": tuple(np.percentile(boot[arm], [2.5, 97.5]))}
     diff = boot["llds"] - boot["grpo"]
     result["diff"] = {"S": result["llds"]["S"] - result["grpo"]["S"],
                       "interval": tuple(np.percentile(diff, [2.5, 97.5]))}

@@ -169,13 +169,15 @@ class SpiralMonitor:
 @dataclass(frozen=True)
 class Condition:
     """A sign read from one logged signal each step: its level, or its change from its mean over
-    the run's first BASELINE steps, averaged over the last `window` steps, above or below
-    `threshold`. The warning's candidates (experiments/spiral/detector.py) and its rule."""
+    the run's first BASELINE steps, averaged over the last `window` steps, or its trend (the
+    least-squares slope a step over the last `window` steps), above or below `threshold`. The
+    warning's candidates (experiments/spiral/detector.py) and its rule."""
     signal: str
     change: bool
     window: int
     above: bool
     threshold: float
+    trend: bool = False
 
     def reading(self, values: list) -> float | None:
         """The reading at the last of `values`, the signal at each training step so far (None
@@ -184,6 +186,8 @@ class Condition:
         last = values[-self.window:]
         if len(last) < self.window or None in last or (self.change and len(values) <= BASELINE):
             return None
+        if self.trend:
+            return statistics.linear_regression(range(self.window), last).slope
         seen = [v for v in values[:BASELINE] if v is not None] if self.change else [0.0]
         return statistics.fmean(last) - statistics.fmean(seen) if seen else None
 
@@ -192,8 +196,11 @@ class Condition:
         return x is not None and (x > self.threshold if self.above else x < self.threshold)
 
     def __str__(self) -> str:
-        text = f"{'change of ' if self.change else ''}{self.signal}"
-        text += f" (mean of {self.window} steps)" if self.window > 1 else ""
+        if self.trend:
+            text = f"trend of {self.signal} over {self.window} steps (a step)"
+        else:
+            text = f"{'change of ' if self.change else ''}{self.signal}"
+            text += f" (mean of {self.window} steps)" if self.window > 1 else ""
         return f"{text} {'>' if self.above else '<'} {self.threshold:.4g}"
 
 

@@ -193,3 +193,12 @@ def test_a_condition_reads_a_level_or_a_change_from_the_runs_first_steps_causall
         None, None, None, pytest.approx(0.2), pytest.approx(0.5)]
     assert [change.fires(values[:i]) for i in range(1, 6)] == [False] * 4 + [True]
     assert str(level) == "entropy (mean of 2 steps) > 0.5"
+
+
+def test_a_trend_is_the_least_squares_slope_over_its_window():
+    rising = Condition("entropy", change=False, window=3, above=True, threshold=0.2, trend=True)
+    # slope of (1.0, 1.5, 1.6) over steps 0, 1, 2: (-1 x 1.0 + 0 + 1 x 1.6) / 2 = 0.3
+    assert rising.reading([0.2, 1.0, 1.5, 1.6]) == pytest.approx(0.3)
+    assert rising.fires([0.2, 1.0, 1.5, 1.6]) and not rising.fires([1.6, 1.5, 1.0])
+    assert rising.reading([1.0, 1.5]) is None and rising.reading([1.0, None, 1.5]) is None
+    assert str(rising) == "trend of entropy over 3 steps (a step) > 0.2"

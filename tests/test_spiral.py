@@ -175,3 +175,21 @@ def test_the_warm_start_line_names_each_build_with_its_seeds():
              (4, "9213aee0ff"), (6, "081acc68aa"), (6, "081acc68aa"), (7, None)]]
     assert warm_starts(rows) == ("Warm-start builds, by sha256: 9213aee0 (seeds 0-2, 4); "
                                  "081acc68 (seeds 3, 6); unrecorded (seeds 7).")
+
+
+def test_the_wide_class_finds_a_trend_that_warns_earlier_than_any_level():
+    from experiments.spiral import detector
+    runs = []
+    for k in range(10):      # runs 0-4 break down at step 14; their entropy climbs from step 6
+        falls, base = k < 5, 0.5 + 0.4 * (k % 5)      # the same levels in both kinds of run
+        lines = [{"step": s, "reward": 0.05 if falls and s >= 13 else 0.5,
+                  "entropy": base + (0.1 * (s - 5) if s > 5 else 0.0) if falls
+                  else base + (1 if (s + k) % 2 else -1)} for s in range(1, 21)]
+        runs.append({"run": f"r{k}", "lines": lines, "onset": detector.breakdown_onset(lines)})
+    assert [r["onset"] for r in runs] == [14] * 5 + [None] * 5
+    narrow = detector.design(runs)
+    wide = detector.design(runs, readings=detector.WIDE_CLASS)
+    # the calm runs swing +-1 a step: an odd window's slope of the swing is 0, the climb's > 0
+    assert [str(c) for c in wide["chosen"]] == ["trend of entropy over 3 steps (a step) > 0"]
+    assert (wide["score"]["warned"], wide["score"]["false_alarms"]) == (5, 0)
+    assert (narrow["score"]["median_lead"], wide["score"]["median_lead"]) == (5, 8)

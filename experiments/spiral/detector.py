@@ -66,20 +66,28 @@ def score(rule, runs: list[dict]) -> dict:
             "alarms_per_10": 10 * alarms / calm if calm else None}
 
 
-def candidates(runs: list[dict]) -> list[Condition]:
-    """Every single condition: each signal x level/change x window 1-3 x above/below x the
-    signal's design quantiles as thresholds."""
+# The readings a candidate takes: (change, trend, window). The spiral study's class (its prereg
+# §7): level or change, the mean of 1-3 steps. The wider class (the late spiral's redesign):
+# windows up to 5 steps, and trends over 2-5 steps.
+SPIRAL_CLASS = [(change, False, w) for change in (False, True) for w in (1, 2, 3)]
+WIDE_CLASS = ([(change, False, w) for change in (False, True) for w in range(1, 6)]
+              + [(False, True, w) for w in range(2, 6)])
+
+
+def candidates(runs: list[dict], readings=SPIRAL_CLASS) -> list[Condition]:
+    """Every single condition: each signal x reading x above/below x the signal's design quantiles
+    of that reading as thresholds."""
     out = []
-    for signal, change, window in itertools.product(SIGNALS, (False, True), (1, 2, 3)):
-        probe = Condition(signal, change, window, True, 0.0)
+    for signal, (change, trend, window) in itertools.product(SIGNALS, readings):
+        probe = Condition(signal, change, window, True, 0.0, trend)
         values = [probe.reading([l.get(signal) for l in r["lines"][:i + 1]])
                   for r in runs for i in range(len(r["lines"]))]
         values = [v for v in values if v is not None]
         if len(set(values)) < 2:
             continue
         for t in sorted(set(np.quantile(values, THRESHOLDS).round(6))):
-            out += [Condition(signal, change, window, True, float(t)),
-                    Condition(signal, change, window, False, float(t))]
+            out += [Condition(signal, change, window, True, float(t), trend),
+                    Condition(signal, change, window, False, float(t), trend)]
     return out
 
 
@@ -87,10 +95,10 @@ def rank(scored: dict) -> tuple:
     return (scored["recall"] or 0.0, scored["median_lead"] or 0.0, -scored["rule"].count(" and "))
 
 
-def design(runs: list[dict], pairs_of: int = 40) -> dict:
+def design(runs: list[dict], pairs_of: int = 40, readings=SPIRAL_CLASS) -> dict:
     """The chosen rule and every single signal's best condition, on the design runs: singles
     first, then conjunctions of the `pairs_of` singles of highest recall at any alarm rate."""
-    singles = [(c,) for c in candidates(runs)]
+    singles = [(c,) for c in candidates(runs, readings)]
     scored = {rule: score(rule, runs) for rule in singles}
     def allowed(s):
         return s["calm"] == 0 or s["false_alarms"] <= MAX_ALARM_RATE * s["calm"]

@@ -231,7 +231,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
                      f" {sens['diff']['interval'][1]:+.3f}] (95% bootstrap)")
     for arm, b in best_lr(rows).items():
         lines.append(f"- {NAMES[arm]}'s best lr {format_lr(b['lr'])} (mean final EM {b['em']:.2f});"
-                     f" there LLDS - GRPO paired over {b['diff']['pairs']} seeds: "
+                     f" there LLDS - GRPO paired over {n_seeds(b['diff']['pairs'])}: "
                      f"{b['diff']['mean']:+.3f} [{b['diff']['low']:+.3f}, {b['diff']['high']:+.3f}]"
                      if b["diff"] else f"- {NAMES[arm]}'s best lr {format_lr(b['lr'])}")
     for arm, r in trained_range(rows, em0).items():
@@ -246,9 +246,13 @@ def summary_lines(rows: list[dict]) -> list[str]:
             d = c["diff"]
             lines.append(f"| {NAMES[c['arm']]} | {NAMES[c['other']]} | {k} / {n} vs {m} / {t} | "
                          f"{c['fisher_p']:.3g} | " + (f"{d['mean']:+.3f} [{d['low']:+.3f}, "
-                                                     f"{d['high']:+.3f}] over {d['pairs']} seeds"
+                                                     f"{d['high']:+.3f}] over {n_seeds(d['pairs'])}"
                                                      if d else "-") + " |")
     return lines
+
+
+def n_seeds(n: int) -> str:
+    return f"{n} seed" + "s" * (n != 1)
 
 
 def lr_list(lrs: list[float]) -> str:

@@ -354,7 +354,8 @@ def main(argv=None) -> None:
             print(f"{page}: its numbers are what their records give")
         else:
             (ROOT / page).write_text(new)
-            print(f"{page}: {len(PAGES[page])} blocks rendered from their records")
+            n = len(PAGES[page])
+            print(f"{page}: {n} block{'s' * (n != 1)} rendered from their records")
 
 
 if __name__ == "__main__":

@@ -67,3 +67,33 @@ def test_learned_first_needs_a_window_above_the_first_before_the_onset():
     flat = steps_of([0.4] * 11 + [0.0] * 9)
     assert breakdown_onset(flat) == 13 and not learned_first(flat, 13)
     assert not learned_first(late, None)
+
+
+def test_phases_align_late_breakdowns_at_their_onsets_and_the_rest_at_their_median(tmp_path):
+    from experiments.late_spiral import late_study
+
+    def run(arm, rewards):
+        lines = [{"step": s, "reward": r, **dict.fromkeys(late_study.PHASES, float(s))}
+                 for s, r in enumerate(rewards, 1)]
+        onset = late_study.spiral_study.breakdown_onset(lines)
+        return {"arm": arm, "lines": lines, "onset": onset,
+                "learned_first": late_study.learned_first(lines, onset)}
+    # onsets 13 and 15 (R falls to 0.2 <= 0.3 two steps after the reward drops to 0)
+    runs = [run("grpo", [0.4] * 3 + [0.6] * 8 + [0.0] * 9),
+            run("grpo", [0.4] * 3 + [0.6] * 10 + [0.0] * 7),
+            run("grpo", [0.4] * 3 + [0.6] * 17), run("llds", [0.4] * 3 + [0.6] * 17),
+            run("grpo", [0.4] * 11 + [0.0] * 9)]          # broke down without learning: no group
+    late, calm, llds = late_study.phase_groups(runs).values()
+    assert [at for _, at in late] == [13, 15] and [at for _, at in calm + llds] == [14, 14]
+    # the signal is the step: at offset -1 the late runs read 12 and 14 (median 13, quartiles
+    # 12.5 and 13.5), the others read 13; offsets from -12 to +3 where both late runs have them
+    by_offset = {o: rest for o, *rest in late_study.aligned(late, "grad_norm")}
+    assert by_offset[-1] == [13.0, 12.5, 13.5] and min(by_offset) == -12 and max(by_offset) == 3
+    # an offset only one of two runs has is left out; a group of one run keeps all of its own
+    cut = [(late[0][0][:14], 13), late[1]]                  # the first run ends at offset +1
+    assert max(o for o, *_ in late_study.aligned(cut, "grad_norm")) == 1
+    assert max(o for o, *_ in late_study.aligned(cut[1:], "grad_norm")) == 3
+    assert {o: m for o, m, *_ in late_study.aligned(calm, "grad_norm")}[-1] == 13.0
+    assert late_study.phase_groups(runs[2:4]) == {}
+    late_study.draw_phases(runs, tmp_path / "phases.png")
+    assert (tmp_path / "phases.png").stat().st_size > 10_000

@@ -6,7 +6,13 @@ A run *breaks down* by the spiral study's rule (`spiral_study.breakdown_onset`).
 when, before the onset, a 3-step mean training reward R(s) rose above R(3), the mean of its first
 3 steps (the warm-start's reward, before learning). A cell qualifies when 2 or more of its 4 runs
 broke down having learned first.
+
+The phases figure (`draw_phases`) aligns plain GRPO's late breakdowns at their onsets and sets
+beside them, aligned at the median of those onsets, plain GRPO's runs that did not break down and
+every GRPO + LLDS run: the likelihood of correct and incorrect responses, the correct responses'
+displacement and the gradient norm, median and interquartile band over each group's runs.
 """
+import statistics
 import argparse
 import sys
 from pathlib import Path
@@ -17,6 +23,11 @@ from plumbing.plots import read_metrics  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 QUALIFY = 2                     # breakdowns after learning, of a cell's 4 runs
+PHASES = {"lld/logp_correct": "log-likelihood, correct responses",
+          "lld/logp_incorrect": "log-likelihood, incorrect responses",
+          "lld/correct_displacement": "correct responses' displacement (nats)",
+          "grad_norm": "gradient norm"}
+BEFORE, AFTER = 12, 3           # steps drawn before and after the alignment step
 
 
 def learned_first(lines: list[dict], onset: int | None) -> bool:
@@ -57,6 +68,78 @@ def pilot_table(folder: Path = HERE / "pilot") -> list[str]:
         lines.append(f"| {lr} | {runs} | {late} of {len(cell)} | "
                      f"{'yes' if late >= QUALIFY else 'no'} |")
     return lines if rows else lines + ["| - | no pilot run has landed yet | - | - |"]
+
+
+def study_runs(folder: Path) -> list[dict]:
+    """Every run folder <arm>-s<seed> of a study: its arm, training lines, onset, learned first."""
+    runs = []
+    for d in sorted(folder.glob("*-s*")):
+        lines = [l for l in read_metrics(d) if l.get("reward") is not None]
+        onset = spiral_study.breakdown_onset(lines)
+        runs.append({"arm": d.name.split("-s")[0], "lines": lines, "onset": onset,
+                     "learned_first": learned_first(lines, onset)})
+    return runs
+
+
+def phase_groups(runs: list[dict]) -> dict[str, list[tuple[list[dict], int]]]:
+    """Each group's runs as (lines, the step they are aligned at); empty when no run of plain
+    GRPO broke down having learned first."""
+    late = [r for r in runs if r["arm"] == "grpo" and r["learned_first"]]
+    if not late:
+        return {}
+    anchor = round(statistics.median(r["onset"] for r in late))
+    return {"plain GRPO, late breakdowns (at their onsets)": [(r["lines"], r["onset"])
+                                                             for r in late],
+            f"plain GRPO, no breakdown (at step {anchor})": [
+                (r["lines"], anchor) for r in runs if r["arm"] == "grpo" and r["onset"] is None],
+            f"GRPO + LLDS, every run (at step {anchor})": [
+                (r["lines"], anchor) for r in runs if r["arm"] == "llds"]}
+
+
+def aligned(group: list[tuple[list[dict], int]], signal: str) -> list[tuple[int, float, float,
+                                                                           float]]:
+    """(step - alignment step, median, lower quartile, upper quartile) of `signal` over the
+    group's runs, for each offset from -BEFORE to AFTER that two of its runs have (or its one)."""
+    by_offset: dict[int, list[float]] = {}
+    for lines, at in group:
+        for l in lines:
+            if -BEFORE <= l["step"] - at <= AFTER and l.get(signal) is not None:
+                by_offset.setdefault(l["step"] - at, []).append(l[signal])
+    out = []
+    for offset, values in sorted(by_offset.items()):
+        if len(values) < min(2, len(group)):
+            continue
+        q1, q2, q3 = (statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1
+                      else values * 3)
+        out.append((offset, q2, q1, q3))
+    return out
+
+
+def draw_phases(runs: list[dict], out: Path) -> None:
+    """One panel per PHASES signal, one line (median, interquartile band) per group."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = phase_groups(runs)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    for ax, (signal, title) in zip(axes.flat, PHASES.items()):
+        for colour, (name, group) in zip(("C3", "C7", "C0"), groups.items()):
+            points = aligned(group, signal)
+            if points:
+                x, mid, low, high = zip(*points)
+                ax.plot(x, mid, color=colour, label=f"{name}: {len(group)} runs")
+                ax.fill_between(x, low, high, color=colour, alpha=0.15)
+        ax.axvline(0, color="k", lw=0.8, ls=":")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("steps from the onset (or the alignment step)")
+    axes.flat[0].legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

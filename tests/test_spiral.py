@@ -1,6 +1,7 @@
 """experiments/spiral/: the survival statistics against independent computations (the values
 below are lifelines 0.30's KaplanMeierFitter and logrank_test and scipy's fisher_exact on the same
 data, pinned), and the study's rules on hand-made runs."""
+import json
 import math
 
 import pytest
@@ -193,3 +194,29 @@ def test_the_wide_class_finds_a_trend_that_warns_earlier_than_any_level():
     assert [str(c) for c in wide["chosen"]] == ["trend of entropy over 3 steps (a step) > 0"]
     assert (wide["score"]["warned"], wide["score"]["false_alarms"]) == (5, 0)
     assert (narrow["score"]["median_lead"], wide["score"]["median_lead"]) == (5, 8)
+
+
+def test_the_late_redesign_reads_every_folder_and_replays_with_the_default(tmp_path):
+    from experiments.late_spiral import warning
+    from experiments.spiral import detector
+    for k in range(10):       # the hand-made set above, half in a study, half in a pilot's cell
+        falls, base = k < 5, 0.5 + 0.4 * (k % 5)
+        folder = tmp_path / ("study" if k % 2 else "pilot/lr1e-5") / f"grpo-s{k}"
+        folder.mkdir(parents=True)
+        folder.joinpath("metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "reward": 0.05 if falls and s >= 13 else 0.5,
+             "entropy": base + (0.1 * (s - 5) if s > 5 else 0.0) if falls
+             else base + (1 if (s + k) % 2 else -1)}) + "\n" for s in range(1, 21)))
+    runs = warning.runs_in(("study", "pilot/*"), tmp_path)
+    assert [r["run"] for r in runs] == ([f"study/grpo-s{k}" for k in (1, 3, 5, 7, 9)]
+                                        + [f"pilot/lr1e-5/grpo-s{k}" for k in (0, 2, 4, 6, 8)])
+    record = warning.write_design(runs, tmp_path / "design.json")
+    assert json.loads((tmp_path / "design.json").read_text()) == record
+    assert [str(c) for c in detector.from_json(record["chosen"])] == [
+        "trend of entropy over 3 steps (a step) > 0"]
+    table = warning.replay_table(record, runs)
+    # warned 8 steps ahead: recall 5 of 5 at >= 2 and at >= 5; the default reads ctrl/p_close,
+    # which these runs never log, so it never fires
+    assert table[2].startswith("| **redesigned** | trend of entropy")
+    assert "| 5 / 5 | 5 / 5 | 8 | 0 / 5 | 0.0 |" in table[2]
+    assert table[3].startswith("| the default |") and "| 0 / 5 | 0 / 5 | - | 0 / 5 |" in table[3]

@@ -48,14 +48,15 @@ def training_lines(folder: Path) -> list[dict]:
     return [l for l in read_metrics(folder) if l.get("reward") is not None]
 
 
-def score(rule, runs: list[dict]) -> dict:
-    """Recall, median lead and false alarms of a rule over runs {lines, onset}."""
+def score(rule, runs: list[dict], lead: int = LEAD) -> dict:
+    """Recall (warned at least `lead` steps ahead), median lead and false alarms of a rule over
+    runs {lines, onset}."""
     warned, leads, alarms = 0, [], 0
     for run in runs:
         first = first_warning(rule, run["lines"])
         if run["onset"] is None:
             alarms += first is not None
-        elif first is not None and run["onset"] - first >= LEAD:
+        elif first is not None and run["onset"] - first >= lead:
             warned, leads = warned + 1, leads + [run["onset"] - first]
     broke = sum(r["onset"] is not None for r in runs)
     calm = len(runs) - broke

@@ -59,11 +59,12 @@ def replay_table(record: dict, runs: list[dict]) -> list[str]:
              "false alarms / runs without a breakdown | per 10 |", "|---|---|---|---|---|---|---|"]
     for name, rule in rules:
         s, far = detector.score(rule, runs), detector.score(rule, runs, lead=5)
+        lead, per_10 = s["median_lead"], s["alarms_per_10"]
         lines.append(f"| {name} | {s['rule']} | {s['warned']} / {s['breakdowns']} | "
                      f"{far['warned']} / {far['breakdowns']} | "
-                     f"{'-' if s['median_lead'] is None else format(s['median_lead'], 'g')} | "
+                     f"{'-' if lead is None else format(lead, 'g')} | "
                      f"{s['false_alarms']} / {s['calm']} | "
-                     f"{'-' if s['alarms_per_10'] is None else format(s['alarms_per_10'], '.1f')} |")
+                     f"{'-' if per_10 is None else format(per_10, '.1f')} |")
     return lines
 
 

@@ -76,6 +76,14 @@ lr-map: .venv/done
 
 .PHONY: lr-map
 
+# The late spiral (experiments/late_spiral/prereg.md): plain GRPO at a learning rate that learns, run long.
+# Its pilot table, and once its counted runs land, their survival, the phases figure and the redesigned
+# warning's replay; the runs themselves: experiments/late_spiral/late_runs.py (days on 2 cores, resumable).
+late-spiral: .venv/done
+	$(PY) experiments/late_spiral/late_study.py
+
+.PHONY: late-spiral
+
 # The LLD lab (experiments/lab/prereg.md): a ~1M-parameter model warm-started by sft.py, then plain GRPO vs
 # GRPO + LLDS over 300 steps. Every stage is resumable and skipped once its outputs exist in experiments/lab/;
 # the study runs at the cell the pilot chose, and not at all when the pilot's stop rule ended the lab.

@@ -97,3 +97,30 @@ def test_phases_align_late_breakdowns_at_their_onsets_and_the_rest_at_their_medi
     assert late_study.phase_groups(runs[2:4]) == {}
     late_study.draw_phases(runs, tmp_path / "phases.png")
     assert (tmp_path / "phases.png").stat().st_size > 10_000
+
+
+def test_the_late_studys_make_target_renders_every_part_from_run_folders(tmp_path, monkeypatch,
+                                                                         capsys):
+    import json
+
+    from experiments.late_spiral import late_study, warning
+    rewards = {"grpo-s0": [0.4] * 3 + [0.6] * 8 + [0.0] * 9, "llds-s0": [0.4] * 3 + [0.6] * 17,
+               "grpo-s1": [0.4] * 3 + [0.6] * 10 + [0.0] * 7, "llds-s1": [0.4] * 3 + [0.6] * 17}
+    for name, rs in rewards.items():
+        run = tmp_path / "study" / name
+        run.mkdir(parents=True)
+        lines = [{"step": 0, "eval/em": 0.5}]
+        lines += [{"step": s, "reward": r, "timing/step": 1.0,
+                   **dict.fromkeys(late_study.PHASES, -0.1 * s)} for s, r in enumerate(rs, 1)]
+        lines += [{"step": 20, "eval/em": 0.1 if name.startswith("grpo") else 0.7}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+        (run / "config.json").write_text(json.dumps({"steps": 20}))
+        (run / "machine.json").write_text(json.dumps([{"cpu": "x", "bf16_autocast": False}]))
+    monkeypatch.setattr(late_study, "HERE", tmp_path)
+    monkeypatch.setattr(warning, "DESIGN", tmp_path / "design.json")
+    warning.write_design(warning.runs_in(("study",), tmp_path), tmp_path / "design.json")
+    late_study.main([])
+    out = capsys.readouterr().out
+    assert "no pilot run has landed yet" in out and "| **redesigned** |" in out
+    assert "2 of 2" in out or "2 / 2" in out          # both plain GRPO runs broke down
+    assert (tmp_path / "survival.png").exists() and (tmp_path / "phases.png").exists()

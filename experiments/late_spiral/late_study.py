@@ -12,12 +12,13 @@ beside them, aligned at the median of those onsets, plain GRPO's runs that did n
 every GRPO + LLDS run: the likelihood of correct and incorrect responses, the correct responses'
 displacement and the gradient norm, median and interquartile band over each group's runs.
 """
-import statistics
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.late_spiral import warning  # noqa: E402
 from experiments.spiral import spiral_study  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
@@ -142,6 +143,24 @@ def draw_phases(runs: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def main(argv=None) -> None:
+    """The pilot table; once counted runs have landed in study/, the spiral study's tables and
+    survival figure for them, the phases figure and the redesigned warning's replay."""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    print("\n".join(pilot_table(HERE / "pilot")))
+    study = HERE / "study"
+    if not study.is_dir():
+        print(f"no {study}: no counted run has landed")
+        return
+    rows = spiral_study.study_rows(study)
+    result = spiral_study.outcome(rows)
+    print("\n".join(spiral_study.tables(rows, result)))
+    spiral_study.draw(rows, result, HERE / "survival.png")
+    draw_phases(study_runs(study), HERE / "phases.png")
+    print(f"figures: {HERE / 'survival.png'}, {HERE / 'phases.png'}")
+    if warning.DESIGN.exists():
+        print("\n".join(warning.replay(study)))
+
+
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    print("\n".join(pilot_table()))
+    main()

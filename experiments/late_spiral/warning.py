@@ -68,6 +68,11 @@ def replay_table(record: dict, runs: list[dict]) -> list[str]:
     return lines
 
 
+def replay(study: Path = LATE_RUNS) -> list[str]:
+    """The committed design (design.json) replayed on the counted late runs."""
+    return replay_table(json.loads(DESIGN.read_text()), detector.load(study, None))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stage", choices=["design", "replay"])
@@ -77,8 +82,7 @@ def main(argv=None) -> None:
         print(f"designed on {len(record['design_runs'])} runs, written to {DESIGN}")
         print("\n".join(replay_table(record, runs_in(DESIGN_FOLDERS))))
     else:
-        print("\n".join(replay_table(json.loads(DESIGN.read_text()), detector.load(LATE_RUNS,
-                                                                                  None))))
+        print("\n".join(replay()))
 
 
 if __name__ == "__main__":

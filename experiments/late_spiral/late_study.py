@@ -29,6 +29,7 @@ PHASES = {"lld/logp_correct": "log-likelihood, correct responses",
           "lld/correct_displacement": "correct responses' displacement (nats)",
           "grad_norm": "gradient norm"}
 BEFORE, AFTER = 12, 3           # steps drawn before and after the alignment step
+Group = list[tuple[list[dict], int]]     # runs' training lines, each with its alignment step
 
 
 def learned_first(lines: list[dict], onset: int | None) -> bool:
@@ -82,7 +83,7 @@ def study_runs(folder: Path) -> list[dict]:
     return runs
 
 
-def phase_groups(runs: list[dict]) -> dict[str, list[tuple[list[dict], int]]]:
+def phase_groups(runs: list[dict]) -> dict[str, Group]:
     """Each group's runs as (lines, the step they are aligned at); empty when no run of plain
     GRPO broke down having learned first."""
     late = [r for r in runs if r["arm"] == "grpo" and r["learned_first"]]
@@ -97,8 +98,7 @@ def phase_groups(runs: list[dict]) -> dict[str, list[tuple[list[dict], int]]]:
                 (r["lines"], anchor) for r in runs if r["arm"] == "llds"]}
 
 
-def aligned(group: list[tuple[list[dict], int]], signal: str) -> list[tuple[int, float, float,
-                                                                           float]]:
+def aligned(group: Group, signal: str) -> list[tuple[int, float, float, float]]:
     """(step - alignment step, median, lower quartile, upper quartile) of `signal` over the
     group's runs, for each offset from -BEFORE to AFTER that two of its runs have (or its one)."""
     by_offset: dict[int, list[float]] = {}

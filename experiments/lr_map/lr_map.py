@@ -343,7 +343,7 @@ def draw(rows: list[dict], out: Path) -> None:
     ax.set_ylim(-0.02, 1.0)
     ax.set_title("labels: runs that broke down / runs", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

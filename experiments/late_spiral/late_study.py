@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from experiments.late_spiral import warning  # noqa: E402
-from experiments.spiral import spiral_study  # noqa: E402
+from experiments.spiral import detector, spiral_study  # noqa: E402
 from plumbing.plots import read_metrics  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -43,7 +43,7 @@ def pilot_rows(folder: Path) -> list[dict]:
     """One row per pilot run: lr, seed, steps run, onset, learned first, held-out EM."""
     rows = []
     for run in sorted(folder.glob("lr*/grpo-s*")):
-        lines = [l for l in read_metrics(run) if l.get("reward") is not None]
+        lines = detector.training_lines(run)
         evals = [(l["step"], l["eval/em"]) for l in read_metrics(run) if "eval/em" in l]
         onset = spiral_study.breakdown_onset(lines)
         rows.append({"lr": run.parent.name.removeprefix("lr"), "seed": int(run.name[6:]),
@@ -74,13 +74,9 @@ def pilot_table(folder: Path = HERE / "pilot") -> list[str]:
 
 def study_runs(folder: Path) -> list[dict]:
     """Every run folder <arm>-s<seed> of a study: its arm, training lines, onset, learned first."""
-    runs = []
-    for d in sorted(folder.glob("*-s*")):
-        lines = [l for l in read_metrics(d) if l.get("reward") is not None]
-        onset = spiral_study.breakdown_onset(lines)
-        runs.append({"arm": d.name.split("-s")[0], "lines": lines, "onset": onset,
-                     "learned_first": learned_first(lines, onset)})
-    return runs
+    return [{**r, "arm": r["run"].split("-s")[0],
+             "learned_first": learned_first(r["lines"], r["onset"])}
+            for r in detector.load(folder, None)]
 
 
 def phase_groups(runs: list[dict]) -> dict[str, Group]:
@@ -156,10 +152,11 @@ def main(argv=None) -> None:
     result = spiral_study.outcome(rows)
     print("\n".join(spiral_study.tables(rows, result)))
     spiral_study.draw(rows, result, HERE / "survival.png")
-    draw_phases(study_runs(study), HERE / "phases.png")
+    runs = study_runs(study)
+    draw_phases(runs, HERE / "phases.png")
     print(f"figures: {HERE / 'survival.png'}, {HERE / 'phases.png'}")
     if warning.DESIGN.exists():
-        print("\n".join(warning.replay(study)))
+        print("\n".join(warning.replay(runs)))
 
 
 if __name__ == "__main__":

@@ -41,11 +41,8 @@ def runs_in(patterns: tuple[str, ...], root: Path = ROOT) -> list[dict]:
 
 def write_design(runs: list[dict], out: Path = DESIGN) -> dict:
     """The redesign on `runs`, with its design scores and the runs it saw, written to `out`."""
-    result = detector.design(runs, readings=detector.WIDE_CLASS)
     record = {"design_runs": [r["run"] for r in runs],
-              "chosen": detector.as_json(result["chosen"]), "score": result["score"],
-              "signals": {k: {"rule": detector.as_json(r), "score": s}
-                          for k, (r, s) in sorted(result["signals"].items())}}
+              **detector.as_record(detector.design(runs, readings=detector.WIDE_CLASS))}
     out.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
@@ -53,24 +50,15 @@ def write_design(runs: list[dict], out: Path = DESIGN) -> dict:
 def replay_table(record: dict, runs: list[dict]) -> list[str]:
     """The redesigned rule, the default and each signal's best single condition on `runs`."""
     rules = [("**redesigned**", detector.from_json(record["chosen"])), ("the default", RULE)]
-    rules += [(signal, detector.from_json(entry["rule"]))
-              for signal, entry in record["signals"].items() if entry["score"]["warned"]]
     lines = ["| rule | condition | recall >= 2 steps ahead | recall >= 5 | median lead (steps) | "
              "false alarms / runs without a breakdown | per 10 |", "|---|---|---|---|---|---|---|"]
-    for name, rule in rules:
-        s, far = detector.score(rule, runs), detector.score(rule, runs, lead=5)
-        lead, per_10 = s["median_lead"], s["alarms_per_10"]
-        lines.append(f"| {name} | {s['rule']} | {s['warned']} / {s['breakdowns']} | "
-                     f"{far['warned']} / {far['breakdowns']} | "
-                     f"{'-' if lead is None else format(lead, 'g')} | "
-                     f"{s['false_alarms']} / {s['calm']} | "
-                     f"{'-' if per_10 is None else format(per_10, '.1f')} |")
-    return lines
+    return lines + [detector.table_row(name, rule, runs, leads=(detector.LEAD, 5))
+                    for name, rule in rules + detector.signal_rules(record)]
 
 
-def replay(study: Path = LATE_RUNS) -> list[str]:
-    """The committed design (design.json) replayed on the counted late runs."""
-    return replay_table(json.loads(DESIGN.read_text()), detector.load(study, None))
+def replay(runs: list[dict]) -> list[str]:
+    """The committed design (design.json) replayed on `runs`, the counted late runs."""
+    return replay_table(json.loads(DESIGN.read_text()), runs)
 
 
 def main(argv=None) -> None:
@@ -82,7 +70,7 @@ def main(argv=None) -> None:
         print(f"designed on {len(record['design_runs'])} runs, written to {DESIGN}")
         print("\n".join(replay_table(record, runs_in(DESIGN_FOLDERS))))
     else:
-        print("\n".join(replay()))
+        print("\n".join(replay(detector.load(LATE_RUNS, None))))
 
 
 if __name__ == "__main__":

@@ -151,12 +151,34 @@ def from_json(rule: list[dict]) -> tuple[Condition, ...]:
 
 def write_design(runs_folder: Path, seeds: str, out: Path) -> dict:
     """The design on the seeds given, written to `out` (commit it before any held-out run)."""
-    result = design(load(runs_folder, seed_range(seeds)))
-    record = {"design_seeds": seeds, "chosen": as_json(result["chosen"]), "score": result["score"],
-              "signals": {k: {"rule": as_json(r), "score": sc}
-                          for k, (r, sc) in sorted(result["signals"].items())}}
+    record = {"design_seeds": seeds, **as_record(design(load(runs_folder, seed_range(seeds))))}
     out.write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+def as_record(result: dict) -> dict:
+    """A design's result as its record: the chosen rule, its score, each signal's best."""
+    return {"chosen": as_json(result["chosen"]), "score": result["score"],
+            "signals": {k: {"rule": as_json(r), "score": sc}
+                        for k, (r, sc) in sorted(result["signals"].items())}}
+
+
+def signal_rules(record: dict) -> list[tuple[str, tuple[Condition, ...]]]:
+    """Each signal's best single condition in a design's record, where it warned a breakdown."""
+    return [(signal, from_json(entry["rule"])) for signal, entry in record["signals"].items()
+            if entry["score"]["warned"]]
+
+
+def table_row(name: str, rule, runs: list[dict], leads: tuple[int, ...] = (LEAD,)) -> str:
+    """A rule's row: breakdowns warned at least each of `leads` steps ahead, the median lead,
+    false alarms, and false alarms per 10 runs without a breakdown."""
+    scores = [score(rule, runs, lead) for lead in leads]
+    s = scores[0]
+    per_10 = "-" if s["alarms_per_10"] is None else f"{s['alarms_per_10']:.1f}"
+    return (f"| {name} | {s['rule']} | "
+            + "".join(f"{x['warned']} / {x['breakdowns']} | " for x in scores)
+            + f"{'-' if s['median_lead'] is None else format(s['median_lead'], 'g')} | "
+            f"{s['false_alarms']} / {s['calm']} | {per_10} |")
 
 
 def table(record: dict, runs_folder: Path, seeds: set[int]) -> list[str]:
@@ -164,17 +186,10 @@ def table(record: dict, runs_folder: Path, seeds: set[int]) -> list[str]:
     signal none of whose conditions warned a breakdown within MAX_ALARM_RATE on the design seeds
     says so. Then the chosen rule's first warning in each run that broke down or was warned."""
     runs = load(runs_folder, seeds)
-    rules = [("**chosen**", from_json(record["chosen"]))] + [
-        (signal, from_json(entry["rule"])) for signal, entry in record["signals"].items()
-        if entry["score"]["warned"]]
+    rules = [("**chosen**", from_json(record["chosen"]))] + signal_rules(record)
     lines = ["| signal | rule | breakdowns warned >= 2 steps before | median lead (steps) | "
              "false alarms / runs without a breakdown | per 10 |", "|---|---|---|---|---|---|"]
-    for name, rule in rules:
-        s = score(rule, runs)
-        per_10 = "-" if s["alarms_per_10"] is None else f"{s['alarms_per_10']:.1f}"
-        lines.append(f"| {name} | {s['rule']} | {s['warned']} / {s['breakdowns']} | "
-                     f"{'-' if s['median_lead'] is None else format(s['median_lead'], 'g')} | "
-                     f"{s['false_alarms']} / {s['calm']} | {per_10} |")
+    lines += [table_row(name, rule, runs) for name, rule in rules]
     silent = sorted(set(SIGNALS) - {name for name, _ in rules})
     lines += [f"| {signal} | none warned a breakdown within {MAX_ALARM_RATE * 10:g} false alarm in "
               "10 on the design seeds | - | - | - | - |" for signal in silent]

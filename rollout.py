@@ -67,9 +67,7 @@ def _as_list(golds) -> list[str]:
 
 def exact_match(prediction: str | None, golds) -> float:
     """1.0 if the normalised prediction equals any normalised gold, else 0.0 (None scores 0)."""
-    if prediction is None:
-        return 0.0
-    pred = normalize_answer(prediction)
+    pred = None if prediction is None else normalize_answer(prediction)
     return float(any(pred == normalize_answer(g) for g in _as_list(golds)))
 
 

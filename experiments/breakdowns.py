@@ -47,7 +47,7 @@ def study_runs(folder: Path, own=None) -> list[dict]:
         if not match:
             continue
         lines = [l for l in read_metrics(run) if l.get("reward") is not None]
-        runs.append({"cell": str(run.parent.relative_to(folder)).replace(".", "", 1) or "",
+        runs.append({"cell": "" if run.parent == folder else str(run.parent.relative_to(folder)),
                      "arm": match.group(1), "seed": int(match.group(2)),
                      "onset": breakdown_onset(lines),
                      "own": own[1](run) if own else None})

@@ -54,6 +54,14 @@ def test_one_breakdown_rule_counts_every_study():
         ("grpo", 3, [11, 11, 20], 2), ("llds", 4, [14, 16, 19, 20], 0)]
 
 
+def test_a_breakdown_cell_is_named_as_its_folder_is(tmp_path):
+    from experiments import breakdowns
+    for cell in ("lr1.6e-4", "lr2e-5", "."):
+        (tmp_path / cell / "grpo-s0").mkdir(parents=True, exist_ok=True)
+        (tmp_path / cell / "grpo-s0" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    assert [r["cell"] for r in breakdowns.study_runs(tmp_path)] == ["", "lr1.6e-4", "lr2e-5"]
+
+
 def test_learned_first_needs_a_window_above_the_first_before_the_onset():
     from experiments.late_spiral.late_study import learned_first
     from experiments.spiral.spiral_study import breakdown_onset

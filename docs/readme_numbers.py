@@ -210,10 +210,25 @@ def results() -> str:
 
 def lr_map_answer() -> str:
     """The learning-rate map's answer as far as it has run (experiments/lr_map/lr_map.py)."""
+    from experiments.lr_map import lr_map
+    rows, landed, registered = lr_map_landed()
+    return lr_map.answer(rows) if landed == registered else (
+        f"not yet measured ({landed} of the map's {registered} runs have landed)")
+
+
+def llds_advice() -> str:
+    """The map's advice in words once every registered run has landed; nothing before."""
+    from experiments.lr_map import lr_map
+    rows, landed, registered = lr_map_landed()
+    return wrap(f"{lr_map.advice(rows)} ([the map](experiments/lr_map/README.md))") if (
+        landed == registered) else ""
+
+
+def lr_map_landed() -> tuple[list[dict], int, int]:
+    """The map's rows, its new runs landed, and its registered runs."""
     from experiments.lr_map import lr_map, map_runs
-    landed = [r for r in lr_map.map_rows() if r["new"]]
-    return lr_map.answer(lr_map.map_rows()) if len(landed) == len(map_runs.queue()) else (
-        f"not yet measured ({len(landed)} of the map's {len(map_runs.queue())} runs have landed)")
+    rows = lr_map.map_rows()
+    return rows, sum(r["new"] for r in rows), len(map_runs.queue())
 
 
 def spiral_pilot() -> str:
@@ -314,7 +329,7 @@ def breakdowns_table(only: str | None = None):
 
 
 BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results,
-          "spiral-result": spiral_result}
+          "spiral-result": spiral_result, "llds-advice": llds_advice}
 PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
     "spiral-pilot": spiral_pilot, "spiral-outcome": spiral_outcome,
     "spiral-detector": spiral_detector},

@@ -85,3 +85,34 @@ def test_sensitivity_is_the_mean_shortfall_from_the_best_cell_floored_at_the_war
 def test_learning_rates_are_spelled_as_the_folders_spell_them():
     from experiments.lr_map.lr_map import format_lr
     assert [format_lr(x) for x in (1e-5, 2e-5, 8e-5, 1.6e-4)] == ["1e-5", "2e-5", "8e-5", "1.6e-4"]
+
+
+def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learning_rate():
+    from experiments.lr_map import lr_map
+    grid = lr_map.GRID
+    kl = {"grpo-kl0.001": {8e-5: 0.6}}
+    # plain GRPO best at 2e-5 (0.70); LLDS there 0.65 (lower) or 0.75 (higher)
+    lower = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
+                     "llds": dict(zip(grid, (0.6, 0.65, 0.6, 0.55, 0.4))), **kl})
+    higher = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
+                      "llds": dict(zip(grid, (0.6, 0.75, 0.6, 0.55, 0.4))), **kl})
+    assert lr_map.advice(lower).startswith("Tune the learning rate first")
+    assert lr_map.advice(higher).startswith("In the learning-rate map, LLDS added final EM")
+    # 0 of 3 KL runs against 0 of 3 plain GRPO runs broke down: nothing said about the KL
+    assert "KL" not in lr_map.advice(lower)
+    # every plain GRPO run at 8e-5 broke down, no KL run: Fisher's p = 0.1 at 3 + 3 runs, still
+    # not shown; at 6 + 6 runs p = 0.002, and the advice names the cut
+    for r in lower:
+        r["onset"] = 5 if (r["arm"], r["lr"]) == ("grpo", 8e-5) else None
+    assert "KL" not in lr_map.advice(lower)
+    six = rows_of({"grpo": {8e-5: 0.2}, "llds": {8e-5: 0.5}, **kl}, seeds=range(6))
+    six += rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5))),
+                    "llds": dict(zip(grid, (0.6, 0.65, 0.6)))})
+    for r in six:
+        r["onset"] = 5 if (r["arm"], r["lr"]) == ("grpo", 8e-5) else None
+    assert lr_map.advice(six).endswith("the paper's KL 0.001 alone cut plain GRPO's breakdowns.")
+    words = lr_map.answer(lower)
+    assert "at plain GRPO's best learning rate, 2e-5 (mean final EM 0.70), LLDS - GRPO was " \
+           "-0.05 [-0.05, -0.05] over 3 seeds (LLDS lower)" in words
+    assert "(no difference shown)" in lr_map.answer(rows_of({"grpo": {2e-5: 0.7},
+                                                             "llds": {2e-5: 0.7}}))

@@ -264,17 +264,12 @@ def answer(rows: list[dict]) -> str:
     LLDS against plain GRPO at each one's best learning rate, the range each trains without a
     breakdown, and what the KL terms did at 8e-5. A difference is named only where its interval
     excludes 0 (EM) or Fisher's p < 0.05 (breakdowns)."""
-    em0 = warm_start_em(rows)
-    best, ranges = best_lr(rows), trained_range(rows, em0)
-    parts = []
-    for arm, other in (("grpo", "llds"), ("llds", "grpo")):
-        b, d = best[arm], best[arm]["diff"]
-        parts.append(f"at {NAMES[arm]}'s best learning rate ({format_lr(b['lr'])}, mean final EM "
-                     f"{b['em']:.2f}) LLDS - GRPO was {d['mean']:+.2f} [{d['low']:+.2f}, "
-                     f"{d['high']:+.2f}] ({verdict(d)})")
-    text = "; ".join(parts) + ". "
+    best = best_lr(rows)
+    text = "; ".join(f"at {NAMES[arm]}'s best learning rate, {best_words(best[arm])}"
+                     for arm in LINES) + ". "
     text += ("Without a breakdown in any run: " + "; ".join(
-        f"{NAMES[arm]} at lr {lr_list(r['calm'])}" for arm, r in ranges.items()) + ". ")
+        f"{NAMES[arm]} at lr {lr_list(r['calm'])}"
+        for arm, r in trained_range(rows, warm_start_em(rows)).items()) + ". ")
     kl = [c for c in kl_comparison(rows) if c["other"] == "grpo"]
     if kl:
         text += "At 8e-5, against plain GRPO's " + (
@@ -284,6 +279,32 @@ def answer(rows: list[dict]) -> str:
                           f"[{c['diff']['low']:+.2f}, {c['diff']['high']:+.2f}]"
                           for c in kl if c["diff"]) + "."
     return text
+
+
+def advice(rows: list[dict]) -> str:
+    """The map's answer as advice, in words (the project README's "Use LLDS" section): tune the
+    learning rate first unless LLDS's registered difference at plain GRPO's best learning rate
+    excludes 0; the paper's KL 0.001 is named where Fisher's test shows it changed plain GRPO's
+    breakdowns at 8e-5."""
+    helped = best_lr(rows)["grpo"]["diff"]["low"] > 0
+    text = ("In the learning-rate map, LLDS added final EM even at plain GRPO's best learning rate"
+            if helped else "Tune the learning rate first: in the learning-rate map, LLDS added no "
+            "final EM at plain GRPO's best learning rate")
+    kl = next((c for c in kl_comparison(rows)
+               if (c["arm"], c["other"]) == ("grpo-kl0.001", "grpo")), None)
+    if kl and kl["fisher_p"] < 0.05:
+        (k, n), (m, t) = kl["breakdowns"], kl["other_breakdowns"]
+        text += (f"; at 8e-5 the paper's KL 0.001 alone {'cut' if k / n < m / t else 'raised'} "
+                 f"plain GRPO's breakdowns")
+    return text + "."
+
+
+def best_words(b: dict) -> str:
+    """'2e-5 (mean final EM 0.78), LLDS - GRPO was -0.07 [-0.13, -0.01] over 8 seeds (LLDS lower)'"""
+    d = b["diff"]
+    return (f"{format_lr(b['lr'])} (mean final EM {b['em']:.2f}), LLDS - GRPO was "
+            f"{d['mean']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}] over {n_seeds(d['pairs'])} "
+            f"({verdict(d)})")
 
 
 def verdict(d: dict) -> str:

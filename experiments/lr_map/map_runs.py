@@ -17,19 +17,15 @@ edits), and the run's checkpoints and export are deleted then (about 1.5 GiB a r
 continues from its last checkpoint; a landed one is skipped.
 """
 import argparse
-import json
-import os
-import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from experiments.landing import PY, ROOT, commit_folder, git, registered_runner  # noqa: E402
+from experiments.landing import ROOT, git, registered_runner, train_and_land  # noqa: E402
 
 TRAIN_COMMIT = "dd7ab09ef48fa172d248ea8198c16e8c03647cec"    # the spiral study's registering commit
-STEPS = "15"
+STEPS = 15
 # Each arm's flags after SETTING (whose --kl-coef 0 comes first; argparse keeps the last).
 ARMS = {"grpo": ["--no-llds"], "llds": [],
         "grpo-kl0.001": ["--no-llds", "--kl-coef", "0.001"],
@@ -39,7 +35,6 @@ LR_CELLS = ("2e-5", "4e-5", "1.6e-4", "1e-5")        # plain GRPO and GRPO + LLD
 KL_LR, KL_ARMS = "8e-5", ("grpo-kl0.001", "grpo-kl0.04", "llds-kl0.001")    # seeds 0-9
 # Four rounds, each a balanced map (prereg.md §4): the lr cells' seeds, then the KL cells' seeds.
 ROUNDS = (((0, 1), (0, 1)), ((2, 3), (2, 3, 4)), ((4, 5), (5, 6, 7)), ((6, 7), (8, 9)))
-SMALL_FILES = ("metrics.jsonl", "config.json", "machine.json")
 # What a landed run changes, rendered again before its commit: the map's figure, then every page.
 RENDER = (["experiments/lr_map/lr_map.py", "--figure", "experiments/lr_map/map.png"],
           ["docs/readme_numbers.py"])
@@ -62,31 +57,11 @@ def train_run(reg, model: Path, dest: Path, lr: str, arm: str, seed: int, commit
               runner_commit: str) -> str:
     """One run to its end (resumed if it was killed), landed, committed, its checkpoints deleted."""
     landed = landed_folder(dest, lr, arm, seed)
-    if reg.finished(landed, int(STEPS)):
-        return f"{landed}: done already"
-    worktree, name = reg.ROOT, f"{arm}-s{seed}"
-    out_dir = worktree / "runs" / "lr_map" / f"lr{lr}"
-    cmd = [PY, "train.py", *reg.SETTING, *ARMS[arm], "--model", str(model), "--out-dir",
-           str(out_dir), "--name", name, "--seed", str(seed), "--lr", lr, "--steps", STEPS,
-           "--resume"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = out_dir / f"{name}.log"
-    with open(log, "a") as f:
-        code = subprocess.run(cmd, cwd=worktree, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
-    if code:
-        return f"{lr} {name}: exit {code}, see {log}"
-    landed.mkdir(parents=True, exist_ok=True)
-    for f in SMALL_FILES:
-        shutil.copy(out_dir / name / f, landed / f)
-    (landed / "run.json").write_text(json.dumps({
-        "train_commit": TRAIN_COMMIT, "runner_commit": runner_commit,
-        "sft_sha256": reg.sha256(model), "log": str(log)}) + "\n")
-    if commit:
-        commit_folder(dest, landed, f"lr map: lr{lr}/{name} finished", RENDER)
-    for heavy in [*(out_dir / name).glob("ckpt-*"), out_dir / name / "model-bf16"]:
-        shutil.rmtree(heavy, ignore_errors=True)
-    return f"{landed}: finished"
+    return train_and_land(
+        reg, model, dest, landed, reg.ROOT / "runs" / "lr_map" / f"lr{lr}",
+        [*ARMS[arm], "--seed", str(seed), "--lr", lr], STEPS,
+        {"train_commit": TRAIN_COMMIT, "runner_commit": runner_commit},
+        f"lr map: lr{lr}/{landed.name} finished" if commit else None, RENDER)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ DEMO_SEEDS, LORA = "experiments/demo_seeds/runs.jsonl", "bench/lora_vs_full.json
 # (docs/benchmarks.md); the older rows of runs.jsonl stay there, not here.
 CURRENT = {"54372b4", "03c073d"}
 STUDY, LAB_PILOT = ROOT / "experiments/lld_study/compare", ROOT / "experiments/lab/pilot"
-SPIRAL = ROOT / "experiments/spiral"
+SPIRAL, LATE = ROOT / "experiments/spiral", ROOT / "experiments/late_spiral"
 
 
 def records(path: str) -> list[dict]:
@@ -237,14 +237,15 @@ def spiral_pilot() -> str:
     return "\n".join(spiral_study.pilot_table(SPIRAL / "pilot"))
 
 
-def spiral_outcome() -> str:
-    """The counted seeds' outcome tables (experiments/spiral/spiral_study.py)."""
-    from experiments.spiral import spiral_study
-    if not (SPIRAL / "study").is_dir():
-        return "No counted seed has finished yet."
-    rows = spiral_study.study_rows(SPIRAL / "study")
-    figure = "![survival of plain GRPO and GRPO + LLDS](survival.png)\n\n"
-    return figure + "\n".join(spiral_study.tables(rows, spiral_study.outcome(rows)))
+def study_outcome(folder: Path, figures: str):
+    """A pre-registered study's outcome tables, below its figures (spiral_study.py's tables)."""
+    def block() -> str:
+        from experiments.spiral import spiral_study
+        if not folder.is_dir():
+            return "No counted seed has finished yet."
+        rows = spiral_study.study_rows(folder)
+        return figures + "\n\n" + "\n".join(spiral_study.tables(rows, spiral_study.outcome(rows)))
+    return block
 
 
 def spiral_detector() -> str:
@@ -322,6 +323,16 @@ def late_pilot() -> str:
     return "\n".join(late_study.pilot_table())
 
 
+def late_warning() -> str:
+    """The redesigned warning (experiments/late_spiral/design.json) on the counted late runs."""
+    from experiments.late_spiral import late_study, warning
+    if not warning.DESIGN.exists():
+        return "Not designed yet: `warning.py design` writes it before the first counted run."
+    if not warning.LATE_RUNS.is_dir():
+        return "Designed; no counted run has finished yet."
+    return "\n".join(warning.replay(late_study.study_runs(warning.LATE_RUNS)))
+
+
 def breakdowns_table(only: str | None = None):
     """Every study's breakdowns by the one rule, beside its own rule (experiments/breakdowns.py)."""
     from experiments import breakdowns
@@ -331,7 +342,8 @@ def breakdowns_table(only: str | None = None):
 BLOCKS = {"demo": demo, "spiral-warning": spiral_warning, "results": results,
           "spiral-result": spiral_result, "llds-advice": llds_advice}
 PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
-    "spiral-pilot": spiral_pilot, "spiral-outcome": spiral_outcome,
+    "spiral-pilot": spiral_pilot, "spiral-outcome": study_outcome(
+        SPIRAL / "study", "![survival of plain GRPO and GRPO + LLDS](survival.png)"),
     "spiral-detector": spiral_detector},
     "experiments/lr_map/README.md": {"lr-map-cells": lr_map_cells,
                                      "lr-map-answers": lr_map_answers,
@@ -339,7 +351,10 @@ PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
     "docs/results.md": {"breakdowns": breakdowns_table()},
     "experiments/lld_study/README.md": {"breakdowns": breakdowns_table("lld_study/compare")},
     "experiments/lab/README.md": {"breakdowns": breakdowns_table("lab/pilot")},
-    "experiments/late_spiral/README.md": {"late-pilot": late_pilot}}
+    "experiments/late_spiral/README.md": {
+        "late-pilot": late_pilot, "late-warning": late_warning, "late-outcome": study_outcome(
+            LATE / "study", "![survival of plain GRPO and GRPO + LLDS](survival.png)\n\n"
+            "![the phases: signals aligned at the onsets](phases.png)")}}
 
 
 def render(text: str, page: str = "README.md") -> str:

@@ -1,5 +1,6 @@
 """The experiments' tables and figures regenerate from the runs committed in experiments/: the
 LLD study (10 seeds per arm) and the LLD lab's pilot (48 plain-GRPO runs), each its headline."""
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,12 @@ def test_the_late_studys_make_target_renders_every_part_from_run_folders(tmp_pat
     assert "no pilot run has landed yet" in out and "| **redesigned** |" in out
     assert "2 of 2" in out or "2 / 2" in out          # both plain GRPO runs broke down
     assert (tmp_path / "survival.png").exists() and (tmp_path / "phases.png").exists()
+    # the study's README blocks read the same folders (docs/readme_numbers.py)
+    spec = importlib.util.spec_from_file_location("numbers", ROOT / "docs" / "readme_numbers.py")
+    numbers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numbers)
+    outcome = numbers.study_outcome(tmp_path / "study", "FIGURES")()
+    assert outcome.startswith("FIGURES\n\n|") and ("2 of 2" in outcome or "2 / 2" in outcome)
+    assert numbers.study_outcome(tmp_path / "none", "FIGURES")().startswith("No counted seed")
+    monkeypatch.setattr(warning, "LATE_RUNS", tmp_path / "study")
+    assert "| **redesigned** |" in numbers.late_warning()

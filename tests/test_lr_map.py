@@ -97,6 +97,8 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
     higher = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
                       "llds": dict(zip(grid, (0.6, 0.75, 0.6, 0.55, 0.4))), **kl})
     assert lr_map.advice(lower).startswith("Tune the learning rate first")
+    # S: plain GRPO 0.11, LLDS 0.06 (the sensitivity test's cells): LLDS less sensitive
+    assert ", but it made final EM less sensitive to the learning rate" in lr_map.advice(lower)
     assert lr_map.advice(higher).startswith("In the learning-rate map, LLDS added final EM")
     # 0 of 3 KL runs against 0 of 3 plain GRPO runs broke down: nothing said about the KL
     assert "KL" not in lr_map.advice(lower)

@@ -284,12 +284,18 @@ def answer(rows: list[dict]) -> str:
 def advice(rows: list[dict]) -> str:
     """The map's answer as advice, in words (the project README's "Use LLDS" section): tune the
     learning rate first unless LLDS's registered difference at plain GRPO's best learning rate
-    excludes 0; the paper's KL 0.001 is named where Fisher's test shows it changed plain GRPO's
-    breakdowns at 8e-5."""
+    excludes 0. The sensitivity and the paper's KL 0.001 are named where they show a difference:
+    LLDS - GRPO's sensitivity interval excludes 0, Fisher's test on plain GRPO's breakdowns at
+    8e-5 with and without the KL gives p < 0.05."""
     helped = best_lr(rows)["grpo"]["diff"]["low"] > 0
     text = ("In the learning-rate map, LLDS added final EM even at plain GRPO's best learning rate"
             if helped else "Tune the learning rate first: in the learning-rate map, LLDS added no "
             "final EM at plain GRPO's best learning rate")
+    low, high = sensitivity(rows, warm_start_em(rows))["diff"]["interval"]
+    if low > 0 or high < 0:
+        less = high < 0
+        text += (f"{', and' if helped == less else ', but'} it made final EM "
+                 f"{'less' if less else 'more'} sensitive to the learning rate")
     kl = next((c for c in kl_comparison(rows)
                if (c["arm"], c["other"]) == ("grpo-kl0.001", "grpo")), None)
     if kl and kl["fisher_p"] < 0.05:
@@ -300,7 +306,8 @@ def advice(rows: list[dict]) -> str:
 
 
 def best_words(b: dict) -> str:
-    """'2e-5 (mean final EM 0.78), LLDS - GRPO was -0.07 [-0.13, -0.01] over 8 seeds (LLDS lower)'"""
+    """An arm's best learning rate in words: '2e-5 (mean final EM 0.78), LLDS - GRPO was -0.07
+    [-0.13, -0.01] over 8 seeds (LLDS lower)'."""
     d = b["diff"]
     return (f"{format_lr(b['lr'])} (mean final EM {b['em']:.2f}), LLDS - GRPO was "
             f"{d['mean']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}] over {n_seeds(d['pairs'])} "

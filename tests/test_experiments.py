@@ -78,6 +78,21 @@ def test_learned_first_needs_a_window_above_the_first_before_the_onset():
     assert not learned_first(late, None)
 
 
+def test_the_pilot_is_decided_by_the_registered_rule():
+    from experiments.late_spiral.late_study import decision
+
+    def pilot(late_at_2e5, late_at_4e5, steps=60):
+        return [{"lr": lr, "seed": s, "steps": steps, "learned_first": s < late}
+                for lr, late in (("2e-5", late_at_2e5), ("4e-5", late_at_4e5)) for s in range(4)]
+    assert decision(pilot(0, 0)[:5]) == "Not decided yet: 5 of 8 runs have landed, at 60 steps."
+    assert decision(pilot(1, 2)) == "Decided (prereg §3): lr 4e-5 at 60 steps."
+    assert decision(pilot(2, 3)).startswith("Decided (prereg §3): lr 2e-5 at 60 steps (both")
+    assert "extended once, to 120" in decision(pilot(1, 1))
+    assert "did not break down within 120 steps" in decision(pilot(1, 0, steps=120))
+    mixed = pilot(0, 0)[:4] + pilot(0, 0, steps=120)[4:]
+    assert decision(mixed) == "Not decided yet: 8 of 8 runs have landed, at 60/120 steps."
+
+
 def test_phases_align_late_breakdowns_at_their_onsets_and_the_rest_at_their_median(tmp_path):
     from experiments.late_spiral import late_study
 

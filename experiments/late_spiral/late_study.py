@@ -24,6 +24,7 @@ from plumbing.plots import read_metrics  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 QUALIFY = 2                     # breakdowns after learning, of a cell's 4 runs
+PILOT_RUNS, LONGEST = 8, 120    # 2 cells x 4 seeds; 60 steps, extended once to 120
 PHASES = {"lld/logp_correct": "log-likelihood, correct responses",
           "lld/logp_incorrect": "log-likelihood, incorrect responses",
           "lld/correct_displacement": "correct responses' displacement (nats)",
@@ -69,7 +70,28 @@ def pilot_table(folder: Path = HERE / "pilot") -> list[str]:
         late = sum(r["learned_first"] for r in cell)
         lines.append(f"| {lr} | {runs} | {late} of {len(cell)} | "
                      f"{'yes' if late >= QUALIFY else 'no'} |")
-    return lines if rows else lines + ["| - | no pilot run has landed yet | - | - |"]
+    if not rows:
+        lines.append("| - | no pilot run has landed yet | - | - |")
+    return lines + ["", decision(rows)]
+
+
+def decision(rows: list[dict]) -> str:
+    """The pilot's decision by prereg.md §3, once all its runs have reached the same length."""
+    lengths = {r["steps"] for r in rows}
+    if len(rows) < PILOT_RUNS or len(lengths) > 1:
+        return (f"Not decided yet: {len(rows)} of {PILOT_RUNS} runs have landed"
+                + (f", at {'/'.join(map(str, sorted(lengths)))} steps." if rows else "."))
+    steps = lengths.pop()
+    qualified = [lr for lr in {r["lr"] for r in rows}
+                 if sum(r["learned_first"] for r in rows if r["lr"] == lr) >= QUALIFY]
+    if qualified:
+        return (f"Decided (prereg §3): lr {min(qualified, key=float)} at {steps} steps"
+                + (" (both cells qualify: the lower learning rate)." if len(qualified) > 1 else "."))
+    if steps < LONGEST:
+        return (f"No cell qualifies at {steps} steps: the same runs are extended once, to "
+                f"{LONGEST} (`late_runs.py pilot --steps {LONGEST} --commit`).")
+    return (f"No cell qualifies at {steps} steps: at a learning rate that learns, plain GRPO did "
+            f"not break down within {steps} steps here, and the study ends.")
 
 
 def study_runs(folder: Path) -> list[dict]:

@@ -291,7 +291,8 @@ def advice(rows: list[dict]) -> str:
     text = ("In the learning-rate map, LLDS added final EM even at plain GRPO's best learning rate"
             if helped else "Tune the learning rate first: in the learning-rate map, LLDS added no "
             "final EM at plain GRPO's best learning rate")
-    low, high = sensitivity(rows, warm_start_em(rows))["diff"]["interval"]
+    sens = sensitivity(rows, warm_start_em(rows))
+    low, high = sens["diff"]["interval"] if sens else (0, 0)
     if low > 0 or high < 0:
         less = high < 0
         text += (f"{', and' if helped == less else ', but'} it made final EM "

@@ -323,6 +323,14 @@ def late_pilot() -> str:
     return "\n".join(late_study.pilot_table())
 
 
+def late_phases() -> str:
+    """The paper's phases read in the late breakdowns (experiments/late_spiral/late_study.py)."""
+    from experiments.late_spiral import late_study
+    if not (LATE / "study").is_dir():
+        return "No counted seed has finished yet."
+    return "\n".join(late_study.phases_table(late_study.study_runs(LATE / "study")))
+
+
 def late_warning() -> str:
     """The redesigned warning (experiments/late_spiral/design.json) on the counted late runs."""
     from experiments.late_spiral import late_study, warning
@@ -352,7 +360,8 @@ PAGES = {"README.md": BLOCKS, "experiments/spiral/README.md": {
     "experiments/lld_study/README.md": {"breakdowns": breakdowns_table("lld_study/compare")},
     "experiments/lab/README.md": {"breakdowns": breakdowns_table("lab/pilot")},
     "experiments/late_spiral/README.md": {
-        "late-pilot": late_pilot, "late-warning": late_warning, "late-outcome": study_outcome(
+        "late-pilot": late_pilot, "late-warning": late_warning, "late-phases": late_phases,
+        "late-outcome": study_outcome(
             LATE / "study", "![survival of plain GRPO and GRPO + LLDS](survival.png)\n\n"
             "![the phases: signals aligned at the onsets](phases.png)")}}
 

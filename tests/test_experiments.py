@@ -157,3 +157,36 @@ def test_the_late_studys_make_target_renders_every_part_from_run_folders(tmp_pat
     assert numbers.study_outcome(tmp_path / "none", "FIGURES")().startswith("No counted seed")
     monkeypatch.setattr(warning, "LATE_RUNS", tmp_path / "study")
     assert "| **redesigned** |" in numbers.late_warning()
+
+
+def test_the_papers_phases_are_read_against_the_control_runs():
+    from experiments.late_spiral import late_study as ls
+
+    def curve(o, decay, collapse):       # flat, then `decay` a step from -7, `collapse` from -2
+        return -0.1 + decay * max(0, min(o, -3) + 8) + collapse * max(0, o + 3)
+
+    def run(arm, rewards, correct, incorrect, grad):
+        lines = [{"step": s, "reward": r} for s, r in enumerate(rewards, 1)]
+        onset = ls.spiral_study.breakdown_onset(lines)
+        for l in lines:
+            o = l["step"] - (onset or 25)     # the controls are aligned at the median onset, 25
+            l.update({ls.CORRECT: correct(o), ls.INCORRECT: incorrect(o), ls.GRAD: grad(o)})
+        return {"arm": arm, "lines": lines, "onset": onset,
+                "learned_first": ls.learned_first(lines, onset)}
+    falls = [0.4] * 3 + [0.6] * 20 + [0.0] * 10                     # onset at step 25
+    calm = [0.4] * 3 + [0.6] * 30
+    spike = lambda o: 5.0 if o >= -2 else 1.0
+    runs = [run("grpo", falls, lambda o: curve(o, -0.02, -0.1), lambda o: curve(o, -0.01, -0.05),
+                spike),
+            run("grpo", falls, lambda o: curve(o, 0.0, -0.1), lambda o: -0.1, spike),  # sudden
+            run("grpo", [0.4] * 3 + [0.6] * 2 + [0.0] * 10,                    # onset at step 7
+                lambda o: curve(o, -0.02, -0.1), lambda o: curve(o, -0.01, -0.05), spike),
+            run("grpo", calm, lambda o: -0.1 + 0.001 * o, lambda o: -0.1, lambda o: 1.0),
+            run("llds", calm, lambda o: -0.1 - 0.001 * o, lambda o: -0.1, lambda o: 1.0)]
+    assert [r["onset"] for r in runs] == [25, 25, 7, None, None]
+    # the third run starts 6 steps before its onset: its early window cannot be read
+    assert ls.phases(runs) == {"stagnation": (2, 2), "steady decay": (2, 3),
+                               "accelerated collapse": (3, 3)}
+    table = ls.phases_table(runs)
+    assert table[2] == "| stagnation | -12 to -8 | 2 of 2 | yes |"
+    assert ls.phases(runs[3:]) == {} and "no late breakdown" in ls.phases_table(runs[3:])[-1]

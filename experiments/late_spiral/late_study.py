@@ -11,11 +11,15 @@ The phases figure (`draw_phases`) aligns plain GRPO's late breakdowns at their o
 beside them, aligned at the median of those onsets, plain GRPO's runs that did not break down and
 every GRPO + LLDS run: the likelihood of correct and incorrect responses, the correct responses'
 displacement and the gradient norm, median and interquartile band over each group's runs.
+`phases` reads the paper's three phases in each late breakdown against those control runs:
+stagnation (early), steady decay (middle) and accelerated collapse (end), in WINDOWS.
 """
 import argparse
 import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from experiments.late_spiral import warning  # noqa: E402
@@ -30,6 +34,9 @@ PHASES = {"lld/logp_correct": "log-likelihood, correct responses",
           "lld/correct_displacement": "correct responses' displacement (nats)",
           "grad_norm": "gradient norm"}
 BEFORE, AFTER = 12, 3           # steps drawn before and after the alignment step
+# The paper's phases are read in three windows of steps from the onset (prereg.md §5).
+WINDOWS = {"early": (-12, -8), "middle": (-7, -3), "end": (-2, 1)}
+CORRECT, INCORRECT, GRAD = "lld/logp_correct", "lld/logp_incorrect", "grad_norm"
 Group = list[tuple[list[dict], int]]     # runs' training lines, each with its alignment step
 
 
@@ -161,6 +168,79 @@ def draw_phases(runs: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def window(run: tuple[list[dict], int], signal: str, phase: str) -> list[tuple[int, float]]:
+    """(step - alignment step, value) of `signal` in a phase's window of a run (lines, at)."""
+    lines, at = run
+    low, high = WINDOWS[phase]
+    return [(l["step"] - at, l[signal]) for l in lines
+            if low <= l["step"] - at <= high and l.get(signal) is not None]
+
+
+def slope(points: list[tuple[int, float]]) -> float | None:
+    """The least-squares change per step; None under 3 points."""
+    return float(np.polyfit(*zip(*points), 1)[0]) if len(points) >= 3 else None
+
+
+def level(points: list[tuple[int, float]]) -> float | None:
+    return statistics.fmean(v for _, v in points) if len(points) >= 3 else None
+
+
+def phase_readings(run: tuple[list[dict], int]) -> dict[str, float | None]:
+    """The readings the phases take: each likelihood's slope in each window, the gradient norm's
+    level at the end."""
+    return {**{(signal, phase): slope(window(run, signal, phase))
+               for signal in (CORRECT, INCORRECT) for phase in WINDOWS},
+            (GRAD, "end"): level(window(run, GRAD, "end"))}
+
+
+def phases(runs: list[dict]) -> dict[str, tuple[int, int]]:
+    """The paper's three phases in plain GRPO's late breakdowns (prereg.md §5): for each, (runs
+    that show it, runs in which it can be read). The yardstick is the control runs (plain GRPO's
+    without a breakdown and every GRPO + LLDS run, at the median onset), in the same windows:
+    stagnation, both likelihoods' early slopes within the controls' range; steady decay, both
+    middle slopes below the controls' lowest; accelerated collapse, the correct responses' slope
+    at the end below its middle slope and the controls' lowest, and the gradient norm's level at
+    the end above the controls' highest."""
+    groups = list(phase_groups(runs).values())
+    if not groups:
+        return {}
+    late = [phase_readings(run) for run in groups[0]]
+    controls = [phase_readings(run) for run in groups[1] + groups[2]]
+    def low(key):
+        return min((c[key] for c in controls if c[key] is not None), default=None)
+    def high(key):
+        return max((c[key] for c in controls if c[key] is not None), default=None)
+    early, middle, end = ([(signal, phase) for signal in (CORRECT, INCORRECT)]
+                          for phase in WINDOWS)
+    tests = {"stagnation": lambda r: all(low(k) <= r[k] <= high(k) for k in early),
+             "steady decay": lambda r: all(r[k] < low(k) for k in middle),
+             "accelerated collapse": lambda r: (r[end[0]] < min(r[middle[0]], low(end[0]))
+                                                and r[GRAD, "end"] > high((GRAD, "end")))}
+    result = {}
+    for phase, test in tests.items():
+        verdicts = [verdict for r in late if (verdict := read(test, r)) is not None]
+        result[phase] = (sum(verdicts), len(verdicts))
+    return result
+
+
+def read(test, readings: dict) -> bool | None:
+    """A phase's test on one run's readings; None where a reading it needs is missing (a window
+    the run does not reach, or no control to compare with)."""
+    try:
+        return bool(test(readings))
+    except TypeError:                      # a comparison with None
+        return None
+
+
+def phases_table(runs: list[dict]) -> list[str]:
+    lines = [f"| the paper's phase | window (steps from the onset) | late breakdowns that show it "
+             "| appears (in more than half) |", "|---|---|---|---|"]
+    for (phase, (k, n)), span in zip(phases(runs).items(), WINDOWS.values()):
+        lines.append(f"| {phase} | {span[0]} to {span[1]} | {k} of {n} | "
+                     f"{'-' if not n else 'yes' if 2 * k > n else 'no'} |")
+    return lines if len(lines) > 2 else lines + ["| - | - | no late breakdown | - |"]
+
+
 def main(argv=None) -> None:
     """The pilot table; once counted runs have landed in study/, the spiral study's tables and
     survival figure for them, the phases figure and the redesigned warning's replay."""
@@ -176,6 +256,7 @@ def main(argv=None) -> None:
     spiral_study.draw(rows, result, HERE / "survival.png")
     runs = study_runs(study)
     draw_phases(runs, HERE / "phases.png")
+    print("\n".join(["", *phases_table(runs), ""]))
     print(f"figures: {HERE / 'survival.png'}, {HERE / 'phases.png'}")
     if warning.DESIGN.exists():
         print("\n".join(warning.replay(runs)))

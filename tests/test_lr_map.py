@@ -96,7 +96,8 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
                      "llds": dict(zip(grid, (0.6, 0.65, 0.6, 0.55, 0.4))), **kl})
     higher = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
                       "llds": dict(zip(grid, (0.6, 0.75, 0.6, 0.55, 0.4))), **kl})
-    assert lr_map.advice(lower).startswith("Tune the learning rate first")
+    assert lr_map.advice(lower).startswith("Tune the learning rate first: in the learning-rate "
+                                           "map, at plain GRPO's best learning rate LLDS lowered")
     # S: plain GRPO 0.11, LLDS 0.06 (the sensitivity test's cells): LLDS less sensitive
     assert ", but it made final EM less sensitive to the learning rate" in lr_map.advice(lower)
     assert lr_map.advice(higher).startswith("In the learning-rate map, LLDS added final EM")
@@ -113,8 +114,9 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
     for r in six:
         r["onset"] = 5 if (r["arm"], r["lr"]) == ("grpo", 8e-5) else None
     assert lr_map.advice(six).endswith("the paper's KL 0.001 alone cut plain GRPO's breakdowns.")
+    same = rows_of({"grpo": {2e-5: 0.7}, "llds": {2e-5: 0.7}})
+    assert "LLDS made no difference to final EM that 3 seeds could show." in lr_map.advice(same)
     words = lr_map.answer(lower)
     assert "at plain GRPO's best learning rate, 2e-5 (mean final EM 0.70), LLDS - GRPO was " \
            "-0.05 [-0.05, -0.05] over 3 seeds (LLDS lower)" in words
-    assert "(no difference shown)" in lr_map.answer(rows_of({"grpo": {2e-5: 0.7},
-                                                             "llds": {2e-5: 0.7}}))
+    assert "(no difference shown)" in lr_map.answer(same)

@@ -287,10 +287,13 @@ def advice(rows: list[dict]) -> str:
     excludes 0. The sensitivity and the paper's KL 0.001 are named where they show a difference:
     LLDS - GRPO's sensitivity interval excludes 0, Fisher's test on plain GRPO's breakdowns at
     8e-5 with and without the KL gives p < 0.05."""
-    helped = best_lr(rows)["grpo"]["diff"]["low"] > 0
+    d = best_lr(rows)["grpo"]["diff"]
+    helped = d["low"] > 0
     text = ("In the learning-rate map, LLDS added final EM even at plain GRPO's best learning rate"
-            if helped else "Tune the learning rate first: in the learning-rate map, LLDS added no "
-            "final EM at plain GRPO's best learning rate")
+            if helped else "Tune the learning rate first: in the learning-rate map, at plain "
+            "GRPO's best learning rate LLDS " + ("lowered final EM" if d["high"] < 0 else
+                                                 f"made no difference to final EM that "
+                                                 f"{n_seeds(d['pairs'])} could show"))
     sens = sensitivity(rows, warm_start_em(rows))
     low, high = sens["diff"]["interval"] if sens else (0, 0)
     if low > 0 or high < 0:

@@ -233,7 +233,7 @@ def read(test, readings: dict) -> bool | None:
 
 
 def phases_table(runs: list[dict]) -> list[str]:
-    lines = [f"| the paper's phase | window (steps from the onset) | late breakdowns that show it "
+    lines = ["| the paper's phase | window (steps from the onset) | late breakdowns that show it "
              "| appears (in more than half) |", "|---|---|---|---|"]
     for (phase, (k, n)), span in zip(phases(runs).items(), WINDOWS.values()):
         lines.append(f"| {phase} | {span[0]} to {span[1]} | {k} of {n} | "

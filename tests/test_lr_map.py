@@ -116,7 +116,14 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
     assert lr_map.advice(six).endswith("the paper's KL 0.001 alone cut plain GRPO's breakdowns.")
     same = rows_of({"grpo": {2e-5: 0.7}, "llds": {2e-5: 0.7}})
     assert "LLDS made no difference to final EM that 3 seeds could show." in lr_map.advice(same)
-    words = lr_map.answer(lower)
-    assert "at plain GRPO's best learning rate, 2e-5 (mean final EM 0.70), LLDS - GRPO was " \
-           "-0.05 [-0.05, -0.05] over 3 seeds (LLDS lower)" in words
-    assert "(no difference shown)" in lr_map.answer(same)
+    apart = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
+                     "llds": dict(zip(grid, (0.6, 0.65, 0.68, 0.55, 0.4)))})
+    assert lr_map.answer(apart).startswith(
+        "At plain GRPO's best learning rate, 2e-5 (mean final EM 0.70), LLDS - GRPO was -0.05 "
+        "[-0.05, -0.05] over 3 seeds (LLDS lower); at GRPO + LLDS's, 4e-5 (mean final EM 0.68), "
+        "LLDS - GRPO was +0.18 [+0.18, +0.18] over 3 seeds (LLDS higher). Without a breakdown")
+    # sentences joined for the READMEs, which end the last one themselves
+    assert not lr_map.answer(apart).endswith(".") and not lr_map.answer(lower).endswith(".")
+    assert lr_map.answer(same).startswith("Both arms were best at lr 2e-5 (mean final EM 0.70 and "
+                                          "0.70); there LLDS - GRPO was +0.00 [+0.00, +0.00] over "
+                                          "3 seeds (no difference shown). ")

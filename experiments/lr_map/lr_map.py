@@ -265,20 +265,22 @@ def answer(rows: list[dict]) -> str:
     breakdown, and what the KL terms did at 8e-5. A difference is named only where its interval
     excludes 0 (EM) or Fisher's p < 0.05 (breakdowns)."""
     best = best_lr(rows)
-    text = "; ".join(f"at {NAMES[arm]}'s best learning rate, {best_words(best[arm])}"
-                     for arm in LINES) + ". "
-    text += ("Without a breakdown in any run: " + "; ".join(
+    g, l = best["grpo"], best["llds"]
+    sentences = [f"Both arms were best at lr {format_lr(g['lr'])} (mean final EM {g['em']:.2f} and "
+                 f"{l['em']:.2f}); there {diff_words(g['diff'])}" if g["lr"] == l["lr"] else
+                 f"At plain GRPO's best learning rate, {best_words(g)}; at GRPO + LLDS's, "
+                 f"{best_words(l)}"]
+    sentences.append("Without a breakdown in any run: " + "; ".join(
         f"{NAMES[arm]} at lr {lr_list(r['calm'])}"
-        for arm, r in trained_range(rows, warm_start_em(rows)).items()) + ". ")
-    kl = [c for c in kl_comparison(rows) if c["other"] == "grpo"]
+        for arm, r in trained_range(rows, warm_start_em(rows)).items()))
+    kl = [c for c in kl_comparison(rows) if c["other"] == "grpo" and c["diff"]]
     if kl:
-        text += "At 8e-5, against plain GRPO's " + (
-            f"{kl[0]['other_breakdowns'][0]} of {kl[0]['other_breakdowns'][1]} breakdowns: ")
-        text += "; ".join(f"{NAMES[c['arm']]} {c['breakdowns'][0]} of {c['breakdowns'][1]} "
-                          f"(Fisher's p = {c['fisher_p']:.2g}), final EM {c['diff']['mean']:+.2f} "
-                          f"[{c['diff']['low']:+.2f}, {c['diff']['high']:+.2f}]"
-                          for c in kl if c["diff"]) + "."
-    return text
+        (m, t) = kl[0]["other_breakdowns"]
+        sentences.append(f"At 8e-5, against plain GRPO's {m} of {t} breakdowns: " + "; ".join(
+            f"{NAMES[c['arm']]} broke down in {c['breakdowns'][0]} of {c['breakdowns'][1]} "
+            f"(Fisher's p = {c['fisher_p']:.2g}), final EM {c['diff']['mean']:+.2f} "
+            f"[{c['diff']['low']:+.2f}, {c['diff']['high']:+.2f}] against it" for c in kl))
+    return ". ".join(sentences)
 
 
 def advice(rows: list[dict]) -> str:
@@ -312,10 +314,13 @@ def advice(rows: list[dict]) -> str:
 def best_words(b: dict) -> str:
     """An arm's best learning rate in words: '2e-5 (mean final EM 0.78), LLDS - GRPO was -0.07
     [-0.13, -0.01] over 8 seeds (LLDS lower)'."""
-    d = b["diff"]
-    return (f"{format_lr(b['lr'])} (mean final EM {b['em']:.2f}), LLDS - GRPO was "
-            f"{d['mean']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}] over {n_seeds(d['pairs'])} "
-            f"({verdict(d)})")
+    return f"{format_lr(b['lr'])} (mean final EM {b['em']:.2f}), {diff_words(b['diff'])}"
+
+
+def diff_words(d: dict) -> str:
+    """'LLDS - GRPO was -0.07 [-0.13, -0.01] over 8 seeds (LLDS lower)'."""
+    return (f"LLDS - GRPO was {d['mean']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}] over "
+            f"{n_seeds(d['pairs'])} ({verdict(d)})")
 
 
 def verdict(d: dict) -> str:

@@ -220,7 +220,7 @@ def llds_advice() -> str:
     """The map's advice in words once every registered run has landed; nothing before."""
     from experiments.lr_map import lr_map
     rows, landed, registered = lr_map_landed()
-    return wrap(f"{lr_map.advice(rows)} ([the map](experiments/lr_map/README.md))") if (
+    return wrap(f"{lr_map.advice(rows)} ([the map](experiments/lr_map/README.md)).") if (
         landed == registered) else ""
 
 

@@ -113,9 +113,9 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
                     "llds": dict(zip(grid, (0.6, 0.65, 0.6)))})
     for r in six:
         r["onset"] = 5 if (r["arm"], r["lr"]) == ("grpo", 8e-5) else None
-    assert lr_map.advice(six).endswith("the paper's KL 0.001 alone cut plain GRPO's breakdowns.")
+    assert lr_map.advice(six).endswith("the paper's KL 0.001 alone cut plain GRPO's breakdowns")
     same = rows_of({"grpo": {2e-5: 0.7}, "llds": {2e-5: 0.7}})
-    assert "LLDS made no difference to final EM that 3 seeds could show." in lr_map.advice(same)
+    assert "LLDS made no difference to final EM that 3 seeds could show" in lr_map.advice(same)
     apart = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
                      "llds": dict(zip(grid, (0.6, 0.65, 0.68, 0.55, 0.4)))})
     assert lr_map.answer(apart).startswith(
@@ -127,3 +127,23 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
     assert lr_map.answer(same).startswith("Both arms were best at lr 2e-5 (mean final EM 0.70 and "
                                           "0.70); there LLDS - GRPO was +0.00 [+0.00, +0.00] over "
                                           "3 seeds (no difference shown). ")
+
+
+def test_the_readmes_end_the_answer_and_the_advice_once_every_run_has_landed(monkeypatch):
+    import importlib.util
+    from experiments.lr_map import lr_map
+    spec = importlib.util.spec_from_file_location(
+        "numbers", Path(__file__).resolve().parents[1] / "docs" / "readme_numbers.py")
+    numbers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numbers)
+    grid = lr_map.GRID
+    rows = rows_of({"grpo": dict(zip(grid, (0.6, 0.7, 0.5, 0.2, 0.0))),
+                    "llds": dict(zip(grid, (0.6, 0.65, 0.6, 0.55, 0.4))),
+                    "grpo-kl0.001": {8e-5: 0.6}})
+    monkeypatch.setattr(numbers, "lr_map_landed", lambda: (rows, len(rows), len(rows)))
+    monkeypatch.setattr(lr_map, "map_rows", lambda: rows)
+    answers, advice = numbers.lr_map_answers(), numbers.llds_advice()
+    assert "**In words**: Both arms were best at lr 2e-5" in answers
+    assert answers.endswith("against it.") and advice.endswith("(experiments/lr_map/README.md)).")
+    for text in (answers, advice):
+        assert ".." not in text.replace("...", "") and ". ." not in text

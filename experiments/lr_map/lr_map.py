@@ -308,7 +308,7 @@ def advice(rows: list[dict]) -> str:
         (k, n), (m, t) = kl["breakdowns"], kl["other_breakdowns"]
         text += (f"; at 8e-5 the paper's KL 0.001 alone {'cut' if k / n < m / t else 'raised'} "
                  f"plain GRPO's breakdowns")
-    return text + "."
+    return text
 
 
 def best_words(b: dict) -> str:

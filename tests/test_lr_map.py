@@ -124,6 +124,12 @@ def test_the_advice_follows_the_registered_difference_at_plain_grpos_best_learni
         "LLDS - GRPO was +0.18 [+0.18, +0.18] over 3 seeds (LLDS higher). Without a breakdown")
     # sentences joined for the READMEs, which end the last one themselves
     assert not lr_map.answer(apart).endswith(".") and not lr_map.answer(lower).endswith(".")
+    # the summary names a shared best learning rate once, distinct ones once each
+    best = [x for x in lr_map.summary_lines(lower) if "best lr" in x]
+    assert best == ["- both arms' best lr 2e-5 (mean final EM 0.70 and 0.65); there LLDS - GRPO "
+                    "paired over 3 seeds: -0.050 [-0.050, -0.050]"]
+    assert [x.split(" (")[0] for x in lr_map.summary_lines(apart) if "best lr" in x] == [
+        "- plain GRPO's best lr 2e-5", "- GRPO + LLDS's best lr 4e-5"]
     assert lr_map.answer(same).startswith("Both arms were best at lr 2e-5 (mean final EM 0.70 and "
                                           "0.70); there LLDS - GRPO was +0.00 [+0.00, +0.00] over "
                                           "3 seeds (no difference shown). ")

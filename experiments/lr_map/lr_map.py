@@ -229,11 +229,16 @@ def summary_lines(rows: list[dict]) -> list[str]:
                                f"{sens[a]['interval'][1]:.3f}]" for a in LINES) +
                      f"; LLDS - GRPO {sens['diff']['S']:+.3f} [{sens['diff']['interval'][0]:+.3f},"
                      f" {sens['diff']['interval'][1]:+.3f}] (95% bootstrap)")
-    for arm, b in best_lr(rows).items():
-        lines.append(f"- {NAMES[arm]}'s best lr {format_lr(b['lr'])} (mean final EM {b['em']:.2f});"
-                     f" there LLDS - GRPO paired over {n_seeds(b['diff']['pairs'])}: "
-                     f"{b['diff']['mean']:+.3f} [{b['diff']['low']:+.3f}, {b['diff']['high']:+.3f}]"
-                     if b["diff"] else f"- {NAMES[arm]}'s best lr {format_lr(b['lr'])}")
+    best = best_lr(rows)
+    heads = {arm: (f"{NAMES[arm]}'s", f"{b['em']:.2f}") for arm, b in best.items()}
+    if len(best) == 2 and best["grpo"]["lr"] == best["llds"]["lr"]:      # one cell: say it once
+        heads = {"grpo": ("both arms'", f"{best['grpo']['em']:.2f} and {best['llds']['em']:.2f}")}
+    for arm, (who, em) in heads.items():
+        b = best[arm]
+        lines.append(f"- {who} best lr {format_lr(b['lr'])} (mean final EM {em}); there LLDS - "
+                     f"GRPO paired over {n_seeds(b['diff']['pairs'])}: {b['diff']['mean']:+.3f} "
+                     f"[{b['diff']['low']:+.3f}, {b['diff']['high']:+.3f}]"
+                     if b["diff"] else f"- {who} best lr {format_lr(b['lr'])}")
     for arm, r in trained_range(rows, em0).items():
         lines.append(f"- {NAMES[arm]}: no breakdown at lr {lr_list(r['calm'])}; mean final EM "
                      f"above EM_0 at lr {lr_list(r['above'])} (of {lr_list(r['run'])})")

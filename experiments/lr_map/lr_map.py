@@ -236,8 +236,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
     for arm, (who, em) in heads.items():
         b = best[arm]
         lines.append(f"- {who} best lr {format_lr(b['lr'])} (mean final EM {em}); there LLDS - "
-                     f"GRPO paired over {n_seeds(b['diff']['pairs'])}: {b['diff']['mean']:+.3f} "
-                     f"[{b['diff']['low']:+.3f}, {b['diff']['high']:+.3f}]"
+                     f"GRPO paired over {n_seeds(b['diff']['pairs'])}: "
+                     f"{interval(b['diff'], '+.3f')}"
                      if b["diff"] else f"- {who} best lr {format_lr(b['lr'])}")
     for arm, r in trained_range(rows, em0).items():
         lines.append(f"- {NAMES[arm]}: no breakdown at lr {lr_list(r['calm'])}; mean final EM "
@@ -250,9 +250,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
             (k, n), (m, t) = c["breakdowns"], c["other_breakdowns"]
             d = c["diff"]
             lines.append(f"| {NAMES[c['arm']]} | {NAMES[c['other']]} | {k} / {n} vs {m} / {t} | "
-                         f"{c['fisher_p']:.3g} | " + (f"{d['mean']:+.3f} [{d['low']:+.3f}, "
-                                                     f"{d['high']:+.3f}] over {n_seeds(d['pairs'])}"
-                                                     if d else "-") + " |")
+                         f"{c['fisher_p']:.3g} | {interval(d, '+.3f')}"
+                         + (f" over {n_seeds(d['pairs'])}" if d else "") + " |")
     return lines
 
 
